@@ -1,0 +1,120 @@
+"""What every stage command shares: the I/O options, progress on stderr and the one-line summary.
+
+The library never imports typer or rich; this module is where they meet it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Iterator, Optional
+
+import typer
+from rich.console import Console
+
+from sptool.jsonl import AtomicJsonlWriter, read_records, source_name
+from sptool.records import InputError
+from sptool.stage import Stage
+
+err_console = Console(stderr=True, highlight=False)
+
+# Shared options: the same flag means the same thing in every command.
+InputArg = typer.Argument(None, help="Input JSONL file (.gz ok); '-' or nothing reads stdin.",
+                          show_default=False)
+OutputOpt = typer.Option("-", "-o", "--output", help="Write JSONL here (atomically) instead of stdout.",
+                         envvar="SPTOOL_OUTPUT")
+QuietOpt = typer.Option(False, "-q", "--quiet", help="No progress or summary on stderr.")
+SkipInvalidOpt = typer.Option(False, "--skip-invalid",
+                              help="Skip bad input lines (counted) instead of stopping with exit 2.")
+RejectsOpt = typer.Option(None, "--rejects",
+                          help="Write skipped and dropped records here, each with 'reject_reason'.")
+SeedOpt = typer.Option(0, "--seed", help="Random seed; same input and seed give the same output.",
+                       envvar="SPTOOL_SEED")
+ModelOpt = typer.Option("tiny", "-m", "--model", envvar="SPTOOL_MODEL",
+                        help="Hugging Face id, local HF directory, or 'tiny' (SmolLM2-135M-Instruct).")
+BackendOpt = typer.Option("hf", "--backend", envvar="SPTOOL_BACKEND",
+                          help="Generation backend: hf, vllm, openai, scripted.")
+
+
+class Progress:
+    """Progress on stderr: a live rich line on a terminal, a line every few seconds otherwise."""
+
+    def __init__(self, name: str, quiet: bool, unit: str = "records", every_s: float = 10.0):
+        self.name, self.quiet, self.unit, self.every_s = name, quiet, unit, every_s
+        self.count = 0
+        self.start = time.monotonic()
+        self._last = self.start
+        self._status = None
+
+    def __enter__(self) -> "Progress":
+        if not self.quiet and err_console.is_terminal:
+            self._status = err_console.status(f"{self.name}: starting")
+            self._status.__enter__()
+        return self
+
+    def advance(self, n: int = 1) -> None:
+        self.count += n
+        if self.quiet:
+            return
+        now = time.monotonic()
+        rate = self.count / max(now - self.start, 1e-9)
+        text = f"{self.name}: {self.count} {self.unit} ({rate:.2f}/s)"
+        if self._status is not None:
+            self._status.update(text)
+        elif now - self._last >= self.every_s:
+            self._last = now
+            err_console.print(text)
+
+    @property
+    def seconds(self) -> float:
+        return time.monotonic() - self.start
+
+    def __exit__(self, *exc) -> None:
+        if self._status is not None:
+            self._status.__exit__(*exc)
+
+
+def waiting_for_stdin_hint(input_path: Optional[str], quiet: bool) -> None:
+    if input_path in (None, "-") and sys.stdin.isatty() and not quiet:
+        err_console.print("[dim]sptool: waiting for JSONL on standard input (Ctrl-D to end)…[/dim]")
+
+
+def run_stage(stage: Stage, *, input_path: Optional[str], output: Optional[str], quiet: bool,
+              skip_invalid: bool = False, rejects: Optional[str] = None,
+              records: Optional[Iterator[dict]] = None) -> None:
+    """Read → validate → ``stage.run`` → write, with rejects, progress and the summary line.
+
+    Any :class:`InputError` propagates (the caller's error handler prints one line, exit 2); the
+    output file is then left untouched because :class:`AtomicJsonlWriter` discards its temp file.
+    """
+    if rejects and output not in (None, "-") and rejects == output:
+        raise InputError("--rejects and --output must be different files", source="--rejects")
+    waiting_for_stdin_hint(input_path, quiet)
+    rejects_writer = AtomicJsonlWriter(rejects) if rejects else contextlib.nullcontext(None)
+    with AtomicJsonlWriter(output) as out, rejects_writer as rejected:
+
+        def on_invalid(error: InputError, raw: str) -> None:
+            stage.stats.invalid += 1
+            if rejected is not None:
+                rejected.write({"reject_reason": error.message, "line": raw.rstrip("\n")})
+
+        def on_drop(record: dict, reason: str) -> None:
+            if rejected is not None:
+                rejected.write({**record, "reject_reason": reason})
+
+        stage.on_drop = on_drop
+        if records is None:
+            records = read_records(input_path, stage.input_kind, skip_invalid=skip_invalid,
+                                   on_invalid=on_invalid)
+        try:
+            with Progress(stage.name, quiet) as progress:
+                for record in stage.run(records):
+                    out.write(record)
+                    progress.advance()
+        finally:
+            stage.close()
+        elapsed = progress.seconds
+    if not quiet:
+        err_console.print(f"{stage.stats.summary(stage.name)} in {elapsed:.1f}s "
+                          f"[{source_name(input_path)}]", soft_wrap=True, markup=False)

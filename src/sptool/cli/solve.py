@@ -1,0 +1,54 @@
+"""``sptool solve``: K sampled solutions per question."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from sptool.cli import common
+
+
+def register(app: typer.Typer) -> None:
+    app.command("solve")(solve)
+
+
+def solve(
+    input_path: Optional[str] = common.InputArg,
+    output: str = common.OutputOpt,
+    samples: int = typer.Option(8, "-k", "--samples", help="Solutions sampled per question."),
+    mode: str = typer.Option("math", "--mode", help="math (answer in \\boxed{}) or validity "
+                             "(may answer \\boxed{INVALID} for a flawed problem; R-Quest)."),
+    model: str = common.ModelOpt,
+    backend: str = common.BackendOpt,
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (0: greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Maximum new tokens per sample."),
+    seed: int = common.SeedOpt,
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt template file ({question} etc.)."),
+    no_chat_template: bool = typer.Option(False, "--no-chat-template",
+                                          help="Prompt with plain text (base models)."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Questions per backend call."),
+    gen_batch_size: int = typer.Option(64, "--gen-batch-size",
+                                       help="Sequences per forward batch (hf backend)."),
+    device: Optional[str] = typer.Option(None, "--device", envvar="SPTOOL_DEVICE",
+                                         help="cpu, cuda, cuda:1 … (default: cuda when available)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, bf16, fp16, fp32."),
+    logprobs: bool = typer.Option(False, "--logprobs", help="Store per-token log-probabilities."),
+    quiet: bool = common.QuietOpt,
+    skip_invalid: bool = common.SkipInvalidOpt,
+    rejects: Optional[str] = common.RejectsOpt,
+) -> None:
+    """Sample K solutions per question (records need 'question'; 'answer' optional)."""
+    from sptool.models.base import SamplingParams, load_backend
+    from sptool.solve import SolveStage
+
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens,
+                            seed=seed, logprobs=logprobs)
+    log = None if quiet else (lambda message: common.err_console.print(message, markup=False))
+    engine = load_backend(backend, model, device=device, dtype=dtype, batch_size=gen_batch_size,
+                          chat_template=not no_chat_template, log=log)
+    stage = SolveStage(engine, samples=samples, mode=mode, params=params, prompt=prompt,
+                       batch_size=batch_size)
+    common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
+                     skip_invalid=skip_invalid, rejects=rejects)

@@ -1,0 +1,167 @@
+"""Streaming JSONL: read with ``source:line`` in every error, write atomically, ``.gz`` both ways.
+
+>>> from sptool.jsonl import read_records, AtomicJsonlWriter
+>>> with AtomicJsonlWriter("out.jsonl") as out:          # doctest: +SKIP
+...     for record in read_records("in.jsonl"):
+...         out.write(record)
+
+A path of ``-`` or ``None`` means stdin / stdout. Output files are written to a temporary file
+in the same directory and renamed into place on success, so a failed run leaves no half file
+(and an existing file is left as it was).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import sys
+import tempfile
+from typing import IO, Any, Callable, Iterator
+
+from sptool.records import ANY, InputError, RecordKind, describe
+
+STDIN_NAME = "<stdin>"
+
+
+def source_name(path: str | os.PathLike | None) -> str:
+    return STDIN_NAME if path in (None, "-") else str(path)
+
+
+def open_text_input(path: str | os.PathLike | None) -> IO[str]:
+    """Open a path, ``-``/None (stdin) or a ``.gz`` file for reading text."""
+    if path in (None, "-"):
+        return sys.stdin
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise InputError("no such file", source=path)
+    if os.path.isdir(path):
+        raise InputError("is a directory, expected a JSONL file", source=path)
+    if path.endswith(".gz"):
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def read_records(path: str | os.PathLike | None, kind: RecordKind = ANY, *,
+                 skip_invalid: bool = False,
+                 on_invalid: Callable[[InputError, str], None] | None = None) -> Iterator[dict]:
+    """Stream validated records of ``kind`` from ``path`` (``-``/None: stdin).
+
+    Strict by default: the first bad line raises :class:`InputError` located at
+    ``source:line``. With ``skip_invalid`` the error and the raw line go to
+    ``on_invalid(error, raw_line)`` (to count it, write it to a rejects file) and reading goes on.
+    """
+    source = source_name(path)
+    handle = open_text_input(path)
+    try:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            try:
+                value = json.loads(raw)
+                yield kind.validate(value)
+            except json.JSONDecodeError as exc:
+                error = InputError(f"not valid JSON ({exc.msg} at column {exc.colno})",
+                                   source=source, line=number,
+                                   hint="each line must be one JSON object")
+                if not skip_invalid:
+                    raise error from None
+                if on_invalid:
+                    on_invalid(error, raw)
+            except InputError as error:
+                located = error.at(source, number)
+                if not skip_invalid:
+                    raise located from None
+                if on_invalid:
+                    on_invalid(located, raw)
+    except UnicodeDecodeError:
+        raise InputError("not valid UTF-8 text (is it a gzip file without .gz?)", source=source) from None
+    finally:
+        if handle is not sys.stdin:
+            handle.close()
+
+
+def dumps(record: Any) -> str:
+    """One JSONL line (no trailing newline). NaN/Infinity are not JSON and are refused."""
+    try:
+        return json.dumps(record, ensure_ascii=False, allow_nan=False)
+    except ValueError as exc:  # pragma: no cover - a bug in a stage, not user input
+        raise ValueError(f"record is not valid JSON ({exc}): {describe(record)}") from None
+
+
+class AtomicJsonlWriter:
+    """Write JSONL to stdout (``-``/None) or atomically to a file (temp file + rename).
+
+    Used as a context manager: on a clean exit the temporary file replaces the target, on an
+    exception it is removed and the target is untouched.
+    """
+
+    def __init__(self, path: str | os.PathLike | None, *, flush_every: int = 1):
+        self.path = None if path in (None, "-") else os.fspath(path)
+        self.count = 0
+        self._tmp: str | None = None
+        self._handle: IO[str] | None = None
+        self._flush_every = flush_every
+
+    def __enter__(self) -> "AtomicJsonlWriter":
+        if self.path is None:
+            self._handle = sys.stdout
+            return self
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(directory):
+            raise InputError("output directory does not exist", source=self.path)
+        fd, self._tmp = tempfile.mkstemp(prefix=".sptool-", suffix=".part", dir=directory)
+        raw = os.fdopen(fd, "wb")
+        if self.path.endswith(".gz"):
+            self._handle = io.TextIOWrapper(gzip.GzipFile(fileobj=raw, mode="wb"), encoding="utf-8")
+            self._raw = raw
+        else:
+            self._handle = io.TextIOWrapper(raw, encoding="utf-8")
+            self._raw = None
+        return self
+
+    def write(self, record: Any) -> None:
+        assert self._handle is not None, "use AtomicJsonlWriter as a context manager"
+        self._handle.write(dumps(record) + "\n")
+        self.count += 1
+        if self.path is None and self.count % self._flush_every == 0:
+            self._handle.flush()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.path is None:
+            if exc_type is None:
+                sys.stdout.flush()
+            return
+        assert self._handle is not None
+        try:
+            self._handle.close()
+            if self._raw is not None:
+                self._raw.close()
+        finally:
+            if exc_type is None:
+                os.replace(self._tmp, self.path)
+            else:
+                try:
+                    os.unlink(self._tmp)
+                except FileNotFoundError:
+                    pass
+
+
+def write_json_atomic(path: str | os.PathLike, document: Any) -> None:
+    """Write one JSON document (a tree, a manifest) atomically."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".sptool-", suffix=".part", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(document, handle, ensure_ascii=False, indent=2, allow_nan=False)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

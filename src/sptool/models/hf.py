@@ -1,0 +1,149 @@
+"""The ``hf`` backend: batched sampling with transformers' ``generate`` (left padding, KV cache).
+
+Runs on CPU or GPU. Deterministic under a seed for the same prompts, ``n`` and batch size: the
+torch generator is re-seeded from ``(seed, batch index)`` before every batch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from sptool.models.base import Prompt, Sample, SamplingParams
+from sptool.models.resolve import resolve_model
+from sptool.records import RuntimeFailure, UsageError
+
+
+def pick_device(device: str | None) -> str:
+    import torch
+
+    if device in (None, "", "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeFailure(f"--device {device} asked for, but torch sees no CUDA GPU")
+    return device
+
+
+def pick_dtype(dtype: str | None, device: str):
+    import torch
+
+    if dtype in (None, "", "auto"):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+             "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+    if dtype not in table:
+        raise UsageError(f"unknown --dtype '{dtype}'; choose from auto, {', '.join(table)}")
+    return table[dtype]
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def render_prompt(tokenizer, prompt: Prompt, chat_template: bool = True) -> str:
+    """The exact text the model sees: chat template with generation prompt, or plain text.
+
+    Shared by generation and ``train-step`` so training scores exactly what was sampled.
+    """
+    if isinstance(prompt, str):
+        return prompt
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return "\n\n".join(message["content"] for message in prompt) + "\n\n"
+
+
+class HFBackend:
+    """Generation with a transformers causal LM (a hub id, a local directory, or ``tiny``)."""
+
+    name = "hf"
+
+    def __init__(self, model: str = "tiny", *, device: str | None = None, dtype: str | None = None,
+                 batch_size: int = 64, chat_template: bool = True, log=None, **_: Any):
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+
+        self.model_id = model
+        self.path = resolve_model(model, log=log)
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        self.batch_size = max(1, int(batch_size))
+        self.chat_template = chat_template
+        try:
+            self.tokenizer = load_tokenizer(self.path)
+            if os.path.isfile(os.path.join(self.path, "adapter_config.json")):
+                from peft import AutoPeftModelForCausalLM
+
+                model_obj = AutoPeftModelForCausalLM.from_pretrained(self.path, dtype=self.dtype)
+                model_obj = model_obj.merge_and_unload()
+            else:
+                model_obj = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype)
+        except OSError as exc:
+            raise RuntimeFailure(f"cannot load model '{model}': {str(exc).splitlines()[0]}") from None
+        self.model = model_obj.to(self.device).eval()
+        self._torch = torch
+
+    def render(self, prompt: Prompt) -> str:
+        return render_prompt(self.tokenizer, prompt, self.chat_template)
+
+    def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
+        torch = self._torch
+        texts = [self.render(p) for p in prompts]
+        jobs = [(index, text) for index, text in enumerate(texts) for _ in range(n)]
+        results: list[list[Sample]] = [[] for _ in prompts]
+        eos_ids = self._eos_ids()
+        for batch_index in range(0, len(jobs), self.batch_size):
+            batch = jobs[batch_index:batch_index + self.batch_size]
+            encoded = self.tokenizer([text for _, text in batch], return_tensors="pt", padding=True,
+                                     add_special_tokens=False).to(self.device)
+            sampling = params.temperature > 0
+            options: dict[str, Any] = dict(
+                max_new_tokens=params.max_new_tokens, do_sample=sampling,
+                pad_token_id=self.tokenizer.pad_token_id, eos_token_id=eos_ids,
+                return_dict_in_generate=True, output_logits=params.logprobs,
+            )
+            if sampling:
+                options.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
+            else:
+                options.update(temperature=None, top_p=None, top_k=None)
+            torch.manual_seed(params.seed * 1_000_003 + batch_index)
+            with torch.inference_mode():
+                output = self.model.generate(**encoded, **options)
+            new_tokens = output.sequences[:, encoded["input_ids"].shape[1]:].tolist()
+            logprob_rows = None
+            if params.logprobs:
+                stacked = torch.stack(output.logits, dim=1).float()  # batch, steps, vocab
+                chosen = torch.tensor(new_tokens, device=stacked.device).unsqueeze(-1)
+                logprob_rows = torch.log_softmax(stacked, dim=-1).gather(-1, chosen).squeeze(-1).tolist()
+            for row, (prompt_index, _) in enumerate(batch):
+                ids = new_tokens[row]
+                finish = "length"
+                for position, token in enumerate(ids):
+                    if token in eos_ids:
+                        ids = ids[:position + 1]
+                        finish = "stop"
+                        break
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                logprobs = logprob_rows[row][:len(ids)] if logprob_rows is not None else None
+                results[prompt_index].append(Sample(text=text, n_tokens=len(ids), finish_reason=finish,
+                                                    logprobs=logprobs, token_ids=ids))
+        return results
+
+    def _eos_ids(self) -> list[int]:
+        ids = self.model.generation_config.eos_token_id
+        ids = list(ids) if isinstance(ids, (list, tuple)) else [ids] if ids is not None else []
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return ids
+
+    def close(self) -> None:
+        self.model = None

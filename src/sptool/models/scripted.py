@@ -1,0 +1,87 @@
+"""A scripted backend: returns queued outputs, for fast deterministic tests and debugging.
+
+``--backend scripted -m FILE`` reads FILE as JSONL; each line is a string (one output) or an
+object ``{"match": REGEX, "output": TEXT}``. Outputs are handed out in order, cycling when the
+queue is exhausted; a ``match`` line is used whenever its regex matches the rendered prompt.
+From Python, pass ``outputs=[...]`` or ``responder=lambda prompt_text, sample_index: text``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Callable
+
+from sptool.models.base import Prompt, Sample, SamplingParams
+from sptool.records import InputError
+
+
+class ScriptedBackend:
+    name = "scripted"
+
+    def __init__(self, model: str | None = None, *, outputs: list[str] | None = None,
+                 responder: Callable[[str, int], str] | None = None, **_):
+        self.model_id = model or "scripted"
+        self.rules: list[tuple[re.Pattern, str]] = []
+        self.queue: list[str] = list(outputs or [])
+        self.responder = responder
+        self.calls: list[list[str]] = []
+        if model and model not in ("scripted", "tiny") and not outputs and not responder:
+            self._load(model)
+        if not self.queue and not self.rules and responder is None:
+            self.queue = [""]
+        self._position = 0
+
+    def _load(self, path: str) -> None:
+        try:
+            handle = open(path, encoding="utf-8")
+        except OSError as exc:
+            raise InputError(f"cannot read script: {exc.strerror}", source=path) from None
+        with handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError:
+                    raise InputError("not valid JSON", source=path, line=number) from None
+                if isinstance(value, str):
+                    self.queue.append(value)
+                elif isinstance(value, dict) and isinstance(value.get("output"), str):
+                    self.rules.append((re.compile(value.get("match", "")), value["output"]))
+                else:
+                    raise InputError("expected a string or {\"match\", \"output\"}", source=path,
+                                     line=number)
+
+    @staticmethod
+    def render(prompt: Prompt) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return "\n\n".join(message["content"] for message in prompt)
+
+    def _next(self, text: str, sample_index: int) -> str:
+        if self.responder is not None:
+            return self.responder(text, sample_index)
+        for pattern, output in self.rules:
+            if pattern.search(text):
+                return output
+        output = self.queue[self._position % len(self.queue)]
+        self._position += 1
+        return output
+
+    def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
+        results = []
+        rendered = [self.render(p) for p in prompts]
+        self.calls.append(rendered)
+        for text in rendered:
+            samples = []
+            for index in range(n):
+                output = self._next(text, index)
+                n_tokens = max(1, len(output.split()))
+                logprobs = [-1.0] * n_tokens if params.logprobs else None
+                samples.append(Sample(text=output, n_tokens=n_tokens, logprobs=logprobs))
+            results.append(samples)
+        return results
+
+    def close(self) -> None:
+        pass

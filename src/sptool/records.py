@@ -1,0 +1,221 @@
+"""Every JSONL record kind sptool reads or writes, its validation, and the one error type for bad input.
+
+Records are plain ``dict``s so that unknown fields pass through every stage untouched (DESIGN §2:
+stages *enrich* records, they never rename or drop fields they do not own). What this module
+adds is a declarative description of the fields each stage needs (:class:`RecordKind`) and
+deterministic ids.
+
+A validation failure raises :class:`InputError`, whose message always has the shape
+``source:line: field 'name': expected <what>, got <what>``; the CLI turns it into one line on
+stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+
+class SptoolError(Exception):
+    """Base class of every error sptool reports as one line (never a traceback)."""
+
+    exit_code = 1
+
+
+class InputError(SptoolError):
+    """Bad input: a line that is not JSON, a missing field, a value of the wrong type.
+
+    ``source`` is a path or ``<stdin>``; ``line`` is 1-based (0 when the error is not tied to a
+    line). The message names both, the field and what was expected, so a user can fix the line.
+    """
+
+    exit_code = 2
+
+    def __init__(self, reason: str, *, source: str = "<input>", line: int = 0,
+                 field: str | None = None, hint: str | None = None):
+        self.reason = reason
+        self.source = source
+        self.line = line
+        self.field = field
+        self.hint = hint
+        super().__init__(self.message)
+
+    @property
+    def location(self) -> str:
+        return f"{self.source}:{self.line}" if self.line else self.source
+
+    @property
+    def message(self) -> str:
+        text = f"{self.location}: "
+        if self.field:
+            text += f"field '{self.field}': "
+        text += self.reason
+        if self.hint:
+            text += f" ({self.hint})"
+        return text
+
+    def at(self, source: str, line: int) -> "InputError":
+        """The same error, located at ``source:line``."""
+        return InputError(self.reason, source=source, line=line, field=self.field, hint=self.hint)
+
+
+class UsageError(SptoolError):
+    """Conflicting or impossible options, unknown names: exit code 2."""
+
+    exit_code = 2
+
+
+class RuntimeFailure(SptoolError):
+    """The environment failed us (model missing, server down): exit code 1."""
+
+    exit_code = 1
+
+
+def describe(value: Any) -> str:
+    """Short description of a JSON value for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        shown = value if len(value) <= 30 else value[:27] + "..."
+        return f"the string {json.dumps(shown)}"
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+               list: "a list", dict: "an object"}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a record kind: its name, JSON type(s), whether it must be present."""
+
+    name: str
+    types: tuple[type, ...]
+    required: bool = True
+    nullable: bool = False
+    check: Callable[[Any], str | None] | None = None  # returns an error text or None
+    help: str = ""
+
+    def expected(self) -> str:
+        names = [_TYPE_NAMES.get(t, t.__name__) for t in self.types]
+        text = " or ".join(names)
+        if self.nullable:
+            text += " or null"
+        return text
+
+    def validate(self, record: dict) -> None:
+        if self.name not in record:
+            if self.required:
+                raise InputError(f"missing, expected {self.expected()}", field=self.name)
+            return
+        value = record[self.name]
+        if value is None:
+            if self.nullable or not self.required:
+                return
+            raise InputError(f"expected {self.expected()}, got null", field=self.name)
+        ok = isinstance(value, self.types) and not (
+            isinstance(value, bool) and bool not in self.types)
+        if not ok and float in self.types and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise InputError(f"expected {self.expected()}, got {describe(value)}", field=self.name)
+        if self.check is not None:
+            problem = self.check(value)
+            if problem:
+                raise InputError(problem, field=self.name)
+
+
+@dataclass(frozen=True)
+class RecordKind:
+    """A record kind: the fields a stage needs to find in each input record."""
+
+    name: str
+    fields: tuple[Field, ...] = field(default_factory=tuple)
+
+    def validate(self, record: Any) -> dict:
+        if not isinstance(record, dict):
+            raise InputError(f"expected a JSON object ({self.name} record), got {describe(record)}")
+        for f in self.fields:
+            f.validate(record)
+        return record
+
+
+def _non_empty(value: str) -> str | None:
+    return None if value.strip() else "expected a non-empty string"
+
+
+def _samples_check(value: list) -> str | None:
+    for i, sample in enumerate(value):
+        if not isinstance(sample, dict):
+            return f"expected a list of objects, item {i} is {describe(sample)}"
+        if not isinstance(sample.get("text"), str):
+            return f"expected every sample to have a string 'text', item {i} has {describe(sample.get('text'))}"
+    return None
+
+
+ANSWER = Field("answer", (str, int, float), required=False, nullable=True,
+               help="reference answer; null or absent means unknown (pseudo-label by majority)")
+
+QUESTION = RecordKind("question", (
+    Field("question", (str,), check=_non_empty, help="the problem text"),
+    ANSWER,
+))
+
+SOLVED = RecordKind("solved question", (
+    Field("question", (str,), check=_non_empty),
+    ANSWER,
+    Field("samples", (list,), check=_samples_check, help="solutions written by `sptool solve`"),
+))
+
+ANY = RecordKind("any", ())
+
+
+def content_id(*parts: Any, length: int = 16) -> str:
+    """Deterministic id: a hash of the content and the parent id.
+
+    Reruns and resumes produce the same ids, so records are never duplicated.
+    """
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(json.dumps(part, sort_keys=True, ensure_ascii=False).encode())
+        digest.update(b"\x1f")
+    return digest.hexdigest()[:length]
+
+
+def ensure_id(record: dict, *content: Any) -> str:
+    """Give ``record`` an ``id`` (hash of ``content``) when it has none; return the id."""
+    if not record.get("id"):
+        record["id"] = content_id(*content)
+    return str(record["id"])
+
+
+def answer_text(value: Any) -> str | None:
+    """A reference answer as text (numbers in datasets are common), or None when unknown."""
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    text = str(value).strip()
+    return text or None
+
+
+def iter_chunks(items: Iterable, size: int):
+    """Yield lists of at most ``size`` items, streaming."""
+    chunk: list = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk

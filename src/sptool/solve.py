@@ -1,0 +1,75 @@
+"""``solve``: K sampled solutions per question from a generation backend.
+
+Two modes: ``math`` (reason step by step, final answer in ``\\boxed{}``) and ``validity``
+(R-Quest: the solver may answer ``\\boxed{INVALID}`` when the problem is flawed). Questions are
+batched: one backend call generates K samples for each of ``batch_size`` questions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+from sptool.models.base import Backend, SamplingParams
+from sptool.prompts import fill_template, load_template
+from sptool.records import QUESTION, UsageError, ensure_id, iter_chunks
+from sptool.stage import Stage
+from sptool.verify import extract_final_answer
+
+MODES = {"math": "solve_math", "validity": "solve_validity"}
+
+
+def solve_prompt(template: str, record: dict) -> list[dict[str, str]]:
+    """The chat messages for one question (the user message is the filled template)."""
+    return [{"role": "user", "content": fill_template(template, record)}]
+
+
+class SolveStage(Stage):
+    """Adds ``samples: [{text, answer, n_tokens, finish_reason, logprobs?}]``, ``mode`` and
+    ``solve_prompt`` (the exact chat messages, which ``train-step`` reuses) to each question."""
+
+    name = "solve"
+    input_kind = QUESTION
+
+    def __init__(self, backend: Backend, *, samples: int = 8, mode: str = "math",
+                 params: SamplingParams | None = None, prompt: str | None = None,
+                 batch_size: int = 16, skip_invalid_questions: bool = True):
+        super().__init__()
+        if mode not in MODES:
+            raise UsageError(f"unknown --mode '{mode}'; choose from {', '.join(MODES)}")
+        if samples < 1:
+            raise UsageError(f"-k/--samples must be >= 1, got {samples}")
+        self.backend = backend
+        self.samples = samples
+        self.mode = mode
+        self.params = params or SamplingParams()
+        self.template = load_template(prompt or MODES[mode])
+        self.batch_size = max(1, batch_size)
+        self.skip_invalid_questions = skip_invalid_questions
+
+    def process(self, records: Iterator[dict]) -> Iterator[dict]:
+        for batch_number, batch in enumerate(iter_chunks(records, self.batch_size)):
+            todo = []
+            for record in batch:
+                if self.skip_invalid_questions and record.get("valid") is False:
+                    continue  # generated questions already judged invalid: pass through unsolved
+                todo.append(record)
+            if todo:
+                prompts = [solve_prompt(self.template, record) for record in todo]
+                params = dataclasses.replace(self.params, seed=self.params.seed * 7919 + batch_number)
+                outputs = self.backend.generate(prompts, self.samples, params)
+                for record, prompt, samples in zip(todo, prompts, outputs):
+                    ensure_id(record, record["question"], record.get("answer"))
+                    record["mode"] = self.mode
+                    record["solve_prompt"] = prompt
+                    record["samples"] = []
+                    for sample in samples:
+                        entry = sample.to_record()
+                        entry["answer"] = extract_final_answer(sample.text)
+                        record["samples"].append(entry)
+                    record["solver_model"] = getattr(self.backend, "model_id", None)
+            for record in batch:
+                if "samples" not in record or record.get("mode") != self.mode:
+                    self.stats.notes["passed through unsolved (valid=false)"] += 1
+                    record.setdefault("samples", [])
+                yield record
