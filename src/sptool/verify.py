@@ -134,6 +134,9 @@ def grade(task: dict) -> dict:
 
 # ---------------------------------------------------------------- the stage
 
+SUMMARY_FIELDS = ("p_hat", "var", "majority", "majority_frac", "invalid_frac", "n_classes",
+                  "label_source")
+
 class VerifyStage(Stage):
     """Adds per-sample ``answer``/``correct`` and ``p_hat``, ``var``, ``majority``,
     ``majority_frac``, ``invalid_frac`` to each solved question.
@@ -173,20 +176,30 @@ class VerifyStage(Stage):
     def merge(self, record: dict, result: Any) -> dict:
         if isinstance(result, (TaskTimeout, TaskFailed)):
             self.stats.notes["verify_error"] += 1
-            record.update(p_hat=None, var=None, majority=None, majority_frac=None,
-                          invalid_frac=None, verify_error=str(result))
+            record.update({key: None for key in SUMMARY_FIELDS}, verify_error=str(result))
             for sample in record["samples"]:
                 sample.setdefault("answer", extract_final_answer(sample["text"]))
                 sample["correct"] = None
+            self._keep_by_mode(record)
             return record
         for sample, answer, correct in zip(record["samples"], result["answers"], result["correct"]):
             sample["answer"] = answer
             sample["correct"] = correct
-        for key in ("p_hat", "var", "majority", "majority_frac", "invalid_frac", "n_classes",
-                    "label_source"):
+        for key in SUMMARY_FIELDS:
             record[key] = result[key]
         record["verify_error"] = None
+        self._keep_by_mode(record)
         return record
+
+    @staticmethod
+    def _keep_by_mode(record: dict) -> None:
+        """Also keep the summary under ``verdicts[mode]``, so that a second solve+verify pass in
+        another mode (R-Quest: validity, then math) does not erase the first pass's u or s."""
+        mode = record.get("mode") or "math"
+        verdicts = record.get("verdicts") if isinstance(record.get("verdicts"), dict) else {}
+        verdicts[mode] = {key: record.get(key) for key in SUMMARY_FIELDS + ("verify_error",)}
+        verdicts[mode]["k"] = len(record["samples"])
+        record["verdicts"] = verdicts
 
     def close(self) -> None:
         self.pool.close()
