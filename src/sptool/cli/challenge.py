@@ -1,0 +1,97 @@
+"""``sptool challenge --from documents|nothing|solutions``: generate candidate questions."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from sptool.cli import common
+
+
+def register(app: typer.Typer) -> None:
+    app.command("challenge")(challenge)
+
+
+def parse_band(text: str) -> tuple[float, float]:
+    from sptool.records import UsageError
+
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise UsageError(f"--band must be LOW,HIGH (e.g. 0.125,0.5), got '{text}'") from None
+    return low, high
+
+
+def challenge(
+    input_path: Optional[str] = common.InputArg,
+    source: str = typer.Option(..., "--from", help="documents (WIST: QA pairs from `corpus fetch` "
+                               "documents), nothing (R-Zero/R-Quest questioner; input optional: "
+                               "topic records), solutions (SvS: variants from `verify` output)."),
+    output: str = common.OutputOpt,
+    candidates: int = typer.Option(8, "-n", "--candidates",
+                                   help="documents: G QA candidates per document; nothing: problems "
+                                        "per seed; solutions: G_v variants per correct solution."),
+    model: str = common.ModelOpt,
+    backend: str = common.BackendOpt,
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (0: greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass."),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Maximum new tokens per generation."),
+    seed: int = common.SeedOpt,
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt template file overriding the "
+                                         "packaged challenge_<mode>.txt ({text}, {title}, {solution}, "
+                                         "{topic_hint}, any record field)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size",
+                                             help="Prompts per backend call (default 4); with "
+                                                  "--from nothing also the problems per group_id "
+                                                  "(the questioner's GRPO group)."),
+    band: str = typer.Option("0.125,0.5", "--band", help="solutions: under-performing accuracy band "
+                             "LOW,HIGH (SvS: 12.5%-50%), inclusive."),
+    strict_band: bool = typer.Option(False, "--strict-band", help="solutions: LOW < Acc < HIGH "
+                                     "(SvS Algorithm 1) instead of the closed range (§3.3)."),
+    max_solutions: int = typer.Option(8, "--max-solutions",
+                                      help="solutions: correct solutions used per problem."),
+    max_document_chars: int = typer.Option(6000, "--max-document-chars",
+                                           help="documents: truncate longer documents in the prompt."),
+    no_chat_template: bool = typer.Option(False, "--no-chat-template",
+                                          help="Prompt with plain text (base models)."),
+    gen_batch_size: int = typer.Option(64, "--gen-batch-size",
+                                       help="Sequences per forward batch (hf backend)."),
+    device: Optional[str] = typer.Option(None, "--device", envvar="SPTOOL_DEVICE",
+                                         help="cpu, cuda, cuda:1 … (default: cuda when available)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, bf16, fp16, fp32."),
+    logprobs: bool = typer.Option(False, "--logprobs", help="Store per-token log-probabilities."),
+    quiet: bool = common.QuietOpt,
+    skip_invalid: bool = common.SkipInvalidOpt,
+    rejects: Optional[str] = common.RejectsOpt,
+) -> None:
+    """Generate candidate questions; every generation is emitted with valid/invalid_reason.
+
+    Examples: sptool challenge --from documents docs.jsonl -n 8 |
+    sptool challenge --from nothing -n 8 | sptool challenge --from solutions verified.jsonl
+    """
+    from sptool.challenge import MODES, make_challenge_stage
+    from sptool.models.base import SamplingParams, load_backend, unknown_name_error
+
+    if source not in MODES:
+        raise unknown_name_error("--from mode", source, list(MODES))
+    options: dict = dict(candidates=candidates, prompt=prompt, batch_size=batch_size or 4,
+                         params=SamplingParams(temperature=temperature, top_p=top_p,
+                                               max_new_tokens=max_tokens, seed=seed,
+                                               logprobs=logprobs))
+    records = None
+    if source == "solutions":
+        options.update(band=parse_band(band), strict_band=strict_band, max_solutions=max_solutions)
+    elif source == "documents":
+        options.update(max_document_chars=max_document_chars)
+    elif source == "nothing":
+        # No INPUT: generate from an empty seed without touching stdin. '-' or a file: topic seeds.
+        options.update(unseeded=input_path is None)
+        if input_path is None:
+            records, input_path = iter(()), "<empty seed>"
+    log = None if quiet else (lambda message: common.err_console.print(message, markup=False))
+    engine = load_backend(backend, model, device=device, dtype=dtype, batch_size=gen_batch_size,
+                          chat_template=not no_chat_template, log=log)
+    stage = make_challenge_stage(source, engine, **options)
+    common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
+                     skip_invalid=skip_invalid, rejects=rejects, records=records)
