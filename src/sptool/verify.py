@@ -103,6 +103,11 @@ def majority_classes(answers: list[str | None]) -> list[list[int]]:
     return sorted(classes, key=lambda members: (-len(members), members[0]))
 
 
+def warm_up() -> None:
+    """Import math-verify (and sympy) and exercise it once, before any deadline starts."""
+    answers_equivalent("1", "1.0")
+
+
 def grade(task: dict) -> dict:
     """Grade one solved question: ``{"texts": [...], "gold": str|None}`` → verdict fields."""
     texts: list[str] = task["texts"]
@@ -150,7 +155,7 @@ class VerifyStage(Stage):
 
     def __init__(self, *, workers: int = 2, deadline_s: float = 30.0, pseudo_label: bool = False):
         super().__init__()
-        self.pool = DeadlinePool(grade, workers=workers, deadline_s=deadline_s)
+        self.pool = DeadlinePool(grade, workers=workers, deadline_s=deadline_s, warmup=warm_up)
         self.pseudo_label = pseudo_label
 
     def _task(self, record: dict) -> dict:

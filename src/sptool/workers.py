@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterable, Iterator
 
+from sptool.records import RuntimeFailure
+
 
 @dataclass
 class TaskTimeout:
@@ -33,14 +35,21 @@ class TaskFailed:
         return self.message
 
 
-def _worker_loop(function: Callable[[Any], Any], connection: Connection) -> None:
+def _worker_loop(function: Callable[[Any], Any], warmup: Callable[[], Any] | None,
+                 connection: Connection) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    try:
+        if warmup is not None:
+            warmup()  # heavy imports happen before the first deadline starts ticking
+        connection.send("__ready__")
+    except (EOFError, OSError):
+        return
     while True:
         try:
             task = connection.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the parent went away (e.g. killed by SIGPIPE)
             return
         if task == "__stop__":
             return
@@ -48,17 +57,24 @@ def _worker_loop(function: Callable[[Any], Any], connection: Connection) -> None
             connection.send((True, None))
             continue
         try:
-            connection.send((True, function(task)))
-        except Exception as exc:  # report, never die on one bad item
-            connection.send((False, f"{type(exc).__name__}: {exc}"))
+            try:
+                reply = (True, function(task))
+            except Exception as exc:  # report, never die on one bad item
+                reply = (False, f"{type(exc).__name__}: {exc}")
+            connection.send(reply)
+        except (EOFError, OSError):
+            return
 
 
 class _Worker:
-    def __init__(self, context, function):
+    def __init__(self, context, function, warmup):
         self.parent, child = context.Pipe()
-        self.process = context.Process(target=_worker_loop, args=(function, child), daemon=True)
+        self.process = context.Process(target=_worker_loop, args=(function, warmup, child),
+                                       daemon=True)
         self.process.start()
         child.close()
+        self.ready = False
+        self.spawned = time.monotonic()
         self.task_index: int | None = None
         self.started = 0.0
 
@@ -75,9 +91,13 @@ class DeadlinePool:
     this process, without a deadline (for debugging).
     """
 
+    STARTUP_TIMEOUT_S = 300.0
+
     def __init__(self, function: Callable[[Any], Any], *, workers: int = 2, deadline_s: float = 30.0,
-                 start_method: str = "spawn", max_in_flight: int | None = None):
+                 warmup: Callable[[], Any] | None = None, start_method: str = "spawn",
+                 max_in_flight: int | None = None):
         self.function = function
+        self.warmup = warmup
         self.n_workers = max(0, int(workers))
         self.deadline_s = float(deadline_s)
         self.max_in_flight = max_in_flight or max(4, 8 * self.n_workers)
@@ -86,7 +106,7 @@ class DeadlinePool:
         self.timeouts = 0
 
     def _spawn(self) -> _Worker:
-        return _Worker(self._context, self.function)
+        return _Worker(self._context, self.function, self.warmup)
 
     def map(self, items: Iterable[Any]) -> Iterator[Any]:
         """Yield each item's result (or :class:`TaskTimeout` / :class:`TaskFailed`) in order."""
@@ -116,7 +136,7 @@ class DeadlinePool:
                 except StopIteration:
                     exhausted = True
             for worker in self._workers:
-                if worker.task_index is None and waiting:
+                if worker.ready and worker.task_index is None and waiting:
                     index, item = waiting.popleft()
                     worker.task_index, worker.started = index, time.monotonic()
                     worker.parent.send(item)
@@ -124,13 +144,23 @@ class DeadlinePool:
                 yield results.pop(next_to_yield)
                 next_to_yield += 1
             busy = [w for w in self._workers if w.task_index is not None]
-            if not busy:
+            starting = [w for w in self._workers if not w.ready]
+            if not busy and (not waiting or not starting):
                 if exhausted and not waiting:
                     return
                 continue
             now = time.monotonic()
-            soonest = min(w.started + self.deadline_s for w in busy)
-            ready = wait([w.parent for w in busy], timeout=max(0.0, soonest - now))
+            soonest = min([w.started + self.deadline_s for w in busy]
+                          + [w.spawned + self.STARTUP_TIMEOUT_S for w in starting])
+            ready = wait([w.parent for w in busy + starting], timeout=max(0.0, soonest - now))
+            for worker in starting:
+                if worker.parent in ready:
+                    try:
+                        worker.ready = worker.parent.recv() == "__ready__"
+                    except (EOFError, OSError):
+                        raise RuntimeFailure("a worker process died while starting") from None
+                elif time.monotonic() - worker.spawned > self.STARTUP_TIMEOUT_S:
+                    raise RuntimeFailure("a worker process did not start in time")
             for worker in busy:
                 if worker.parent in ready:
                     try:

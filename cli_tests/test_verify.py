@@ -1,0 +1,111 @@
+"""verify: math-verify equivalence, majority vote over equivalence classes, INVALID, deadlines."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import read_jsonl, run_sptool, write_jsonl
+from sptool.verify import VerifyStage, extract_final_answer, grade, last_boxed, majority_classes
+
+
+def samples(*texts):
+    return [{"text": t} for t in texts]
+
+
+def test_last_boxed_handles_nesting_and_takes_the_last():
+    assert last_boxed(r"first \boxed{1} then \boxed{\frac{3}{4}}.") == r"\frac{3}{4}"
+    assert last_boxed(r"\boxed{ {a}+{b} }") == "{a}+{b}"
+    assert last_boxed("no box") is None
+    assert last_boxed(r"\boxed{unclosed") is None
+
+
+def test_invalid_is_normalised():
+    assert extract_final_answer(r"flawed: \boxed{INVALID}") == "INVALID"
+    assert extract_final_answer(r"\boxed{\text{invalid}}") == "INVALID"
+    assert extract_final_answer(r"\boxed{42}") == "42"
+
+
+def test_grade_with_reference_uses_math_equivalence():
+    result = grade({"texts": [r"\boxed{0.75}", r"\boxed{\frac{3}{4}}", r"\boxed{3/4}", r"\boxed{1}",
+                              "no answer"], "gold": r"\frac{3}{4}"})
+    assert result["correct"] == [True, True, True, False, False]
+    assert result["p_hat"] == pytest.approx(3 / 5)
+    assert result["var"] == pytest.approx(0.6 * 0.4)
+    # 0.75, 3/4 and \frac{3}{4} are one class, not three strings
+    assert result["majority_frac"] == pytest.approx(3 / 5)
+    assert result["n_classes"] == 2
+    assert result["label_source"] == "reference"
+
+
+def test_grade_without_reference_pseudo_labels_by_majority():
+    result = grade({"texts": [r"\boxed{2}", r"\boxed{2.0}", r"\boxed{5}", r"\boxed{INVALID}"],
+                    "gold": None})
+    assert result["majority"] in ("2", "2.0")
+    assert result["correct"] == [True, True, False, False]
+    assert result["majority_frac"] == pytest.approx(0.5)
+    assert result["invalid_frac"] == pytest.approx(0.25)
+    assert result["label_source"] == "majority"
+
+
+def test_majority_classes_largest_first_ties_by_first_occurrence():
+    classes = majority_classes(["1", "2", "2", None, "1", "3", "INVALID"])
+    assert classes == [[0, 4], [1, 2], [5]]
+
+
+def test_all_correct_none_correct_single_sample():
+    assert grade({"texts": [r"\boxed{4}"] * 3, "gold": "4"})["var"] == 0.0
+    none = grade({"texts": [r"\boxed{5}"] * 3, "gold": "4"})
+    assert none["p_hat"] == 0.0 and none["majority"] == "5" and none["majority_frac"] == 1.0
+    single = grade({"texts": [r"\boxed{4}"], "gold": "4"})
+    assert single["p_hat"] == 1.0
+
+
+def test_stage_keeps_order_and_fields_with_workers(tmp_path):
+    records = [{"id": str(i), "question": "q", "answer": str(i % 3),
+                "samples": samples(rf"\boxed{{{i % 3}}}", r"\boxed{7}")} for i in range(12)]
+    stage = VerifyStage(workers=2, deadline_s=30)
+    try:
+        out = list(stage.run(iter(records)))
+    finally:
+        stage.close()
+    assert [r["id"] for r in out] == [str(i) for i in range(12)]
+    assert all(r["samples"][0]["correct"] and not r["samples"][1]["correct"] for r in out)
+    assert all(r["p_hat"] == 0.5 and r["verdicts"]["math"]["p_hat"] == 0.5 for r in out)
+
+
+def test_hanging_item_becomes_verify_error_within_the_deadline(tmp_path):
+    """A power tower makes math-verify spin for its own 5 s timeout per comparison (several
+    comparisons per record); the hard deadline of 1.5 s kills the worker, marks that record
+    verify_error, and the records around it are verified normally."""
+    tower = r"\boxed{9^{9^{9^{9}}}}"
+    records = [
+        {"id": "before", "question": "q", "answer": "2", "samples": samples(r"\boxed{2}")},
+        {"id": "hang", "question": "q", "answer": "5", "samples": samples(tower, r"\boxed{8^{8^{8^{8}}}}")},
+        {"id": "after", "question": "q", "answer": "3", "samples": samples(r"\boxed{3}", r"\boxed{4}")},
+    ]
+    path = write_jsonl(tmp_path / "in.jsonl", records)
+    started = time.monotonic()
+    result = run_sptool("verify", "--workers", "2", "--deadline", "1.5", str(path))
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr
+    out = {r["id"]: r for r in read_jsonl(result.stdout)}
+    assert out["hang"]["verify_error"].startswith("timed out after 1.5s")
+    assert out["hang"]["p_hat"] is None
+    assert out["before"]["p_hat"] == 1.0 and out["after"]["p_hat"] == 0.5
+    assert "1 verify_error" in result.stderr
+    assert elapsed < 20  # bounded: not the ≥10 s math-verify would spend on the tower pair
+
+
+def test_records_without_samples_pass_through(tmp_path):
+    stage = VerifyStage(workers=0)
+    out = list(stage.run(iter([{"question": "q", "valid": False, "samples": []}])))
+    assert out[0]["samples"] == [] and "p_hat" not in out[0]
+
+
+def test_no_eval_of_model_text(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = rf"\boxed{{__import__('os').system('touch {marker}')}}"
+    grade({"texts": [evil], "gold": "0"})
+    assert not marker.exists()
