@@ -412,7 +412,7 @@ def _correct_flags_check(samples: list) -> str | None:
     if problem:
         return problem
     for index, sample in enumerate(samples):
-        if not isinstance(sample.get("correct"), bool):
+        if "correct" not in sample or not isinstance(sample["correct"], (bool, type(None))):
             return (f"expected every sample to have a boolean 'correct' (run `sptool verify`), "
                     f"item {index} has {json.dumps(sample.get('correct'))}")
     return None
