@@ -1,0 +1,308 @@
+"""Search backends behind one protocol: a query in, ranked :class:`SearchResult` s out.
+
+Chosen by name with :func:`load_search` (``--search``):
+
+- ``searxng``: a SearXNG instance's JSON API (``--search-url``, e.g. ``http://localhost:8888``;
+  the instance must enable the ``json`` format).
+- ``wikipedia``: MediaWiki search (``list=search``) and page text (``prop=extracts``); the API
+  URL is configurable (default ``https://en.wikipedia.org/w/api.php``). Results carry the page
+  text, so nothing is fetched.
+- ``brave``: the Brave Search API, key from ``SPTOOL_BRAVE_API_KEY``.
+- ``local:PATH``: a folder of ``.html``/``.htm``/``.txt``/``.md`` files or a JSONL corpus
+  (``text`` or ``html``, optional ``title`` and ``url``), ranked for the query with BM25 — the
+  offline backend. Results carry their content, so nothing is fetched.
+
+The search endpoints themselves are configured by the user and are trusted (a SearXNG instance
+usually runs on localhost); the URL policy applies to the result URLs that sptool fetches.
+"""
+
+from __future__ import annotations
+
+import difflib
+import html as html_lib
+import json
+import math
+import os
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+from sptool.records import InputError, RuntimeFailure, UsageError
+
+
+@dataclass
+class SearchResult:
+    """One hit: where it is, its title, and (for offline/API backends) its content already."""
+
+    url: str
+    title: str = ""
+    snippet: str = ""
+    rank: int = 0
+    engine: str = ""
+    content: str | None = None          # page content when the backend already has it
+    content_type: str = "text/html"      # of ``content``: text/html or text/plain
+
+
+class SearchBackend(Protocol):
+    name: str
+
+    def search(self, query: str, limit: int) -> list[SearchResult]: ...
+
+
+class SearchError(RuntimeFailure):
+    """The search endpoint failed (down, bad answer)."""
+
+
+def http_get_json(url: str, *, headers: dict | None = None, timeout: float = 15.0,
+                  user_agent: str | None = None) -> dict:
+    """GET a JSON document from a (trusted) search endpoint."""
+    from sptool.corpus.fetch import DEFAULT_USER_AGENT
+
+    request = urllib.request.Request(url, headers={"User-Agent": user_agent or DEFAULT_USER_AGENT,
+                                                   "Accept": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            data = response.read(20_000_000)
+    except urllib.error.HTTPError as exc:
+        raise SearchError(f"search endpoint {url.split('?')[0]} answered HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise SearchError(f"search endpoint {url.split('?')[0]} unreachable ({reason})") from None
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise SearchError(f"search endpoint {url.split('?')[0]} did not answer JSON") from None
+
+
+_TAG = re.compile(r"<[^>]+>")
+
+
+def strip_tags(text: str) -> str:
+    return html_lib.unescape(_TAG.sub("", text or "")).strip()
+
+
+class SearxngSearch:
+    """SearXNG's JSON API: ``GET {url}/search?q=…&format=json``."""
+
+    name = "searxng"
+
+    def __init__(self, url: str | None, *, timeout: float = 15.0, **_: object):
+        if not url:
+            raise UsageError("--search searxng needs --search-url (e.g. http://localhost:8888) "
+                             "or SPTOOL_SEARCH_URL")
+        self.url = url.rstrip("/")
+        if not self.url.endswith("/search"):
+            self.url += "/search"
+        self.timeout = timeout
+
+    def search(self, query: str, limit: int) -> list[SearchResult]:
+        params = urllib.parse.urlencode({"q": query, "format": "json"})
+        data = http_get_json(f"{self.url}?{params}", timeout=self.timeout)
+        results = []
+        for item in data.get("results", []) or []:
+            if isinstance(item, dict) and item.get("url"):
+                results.append(SearchResult(url=str(item["url"]), title=str(item.get("title") or ""),
+                                            snippet=str(item.get("content") or ""),
+                                            rank=len(results) + 1, engine=self.name))
+            if len(results) >= limit:
+                break
+        return results
+
+
+class WikipediaSearch:
+    """MediaWiki: ``list=search`` for titles, ``prop=extracts&explaintext`` for plain page text."""
+
+    name = "wikipedia"
+    DEFAULT_URL = "https://en.wikipedia.org/w/api.php"
+
+    def __init__(self, url: str | None = None, *, timeout: float = 15.0, **_: object):
+        self.api = url or self.DEFAULT_URL
+        if not self.api.endswith(".php"):
+            self.api = self.api.rstrip("/") + "/w/api.php"
+        parts = urllib.parse.urlsplit(self.api)
+        self.page_base = f"{parts.scheme}://{parts.netloc}/wiki/"
+        self.timeout = timeout
+
+    def _get(self, **params) -> dict:
+        params = {"format": "json", "formatversion": "2", **params}
+        return http_get_json(f"{self.api}?{urllib.parse.urlencode(params)}", timeout=self.timeout)
+
+    def search(self, query: str, limit: int) -> list[SearchResult]:
+        data = self._get(action="query", list="search", srsearch=query, srlimit=str(limit),
+                         srnamespace="*")
+        hits = (data.get("query") or {}).get("search") or []
+        titles = [str(h["title"]) for h in hits if isinstance(h, dict) and h.get("title")][:limit]
+        if not titles:
+            return []
+        pages = self._get(action="query", prop="extracts", explaintext="1", redirects="1",
+                          titles="|".join(titles))
+        texts: dict[str, str] = {}
+        for page in (pages.get("query") or {}).get("pages") or []:
+            if isinstance(page, dict) and page.get("title"):
+                texts[str(page["title"])] = str(page.get("extract") or "")
+        results = []
+        for rank, hit in enumerate(h for h in hits if isinstance(h, dict) and h.get("title")):
+            title = str(hit["title"])
+            url = self.page_base + urllib.parse.quote(title.replace(" ", "_"), safe=":_()-,.'")
+            results.append(SearchResult(url=url, title=title, snippet=strip_tags(hit.get("snippet", "")),
+                                        rank=rank + 1, engine=self.name,
+                                        content=texts.get(title, ""), content_type="text/plain"))
+            if len(results) >= limit:
+                break
+        return results
+
+
+class BraveSearch:
+    """Brave Search API (``X-Subscription-Token`` from ``SPTOOL_BRAVE_API_KEY``)."""
+
+    name = "brave"
+    DEFAULT_URL = "https://api.search.brave.com/res/v1/web/search"
+    KEY_ENV = "SPTOOL_BRAVE_API_KEY"
+
+    def __init__(self, url: str | None = None, *, timeout: float = 15.0, **_: object):
+        self.key = os.environ.get(self.KEY_ENV, "").strip()
+        if not self.key:
+            raise UsageError(f"--search brave needs an API key in {self.KEY_ENV}")
+        self.url = url or self.DEFAULT_URL
+        self.timeout = timeout
+
+    def search(self, query: str, limit: int) -> list[SearchResult]:
+        params = urllib.parse.urlencode({"q": query, "count": str(min(limit, 20))})
+        data = http_get_json(f"{self.url}?{params}", timeout=self.timeout,
+                             headers={"X-Subscription-Token": self.key})
+        results = []
+        for item in ((data.get("web") or {}).get("results") or []):
+            if isinstance(item, dict) and item.get("url"):
+                results.append(SearchResult(url=str(item["url"]), title=strip_tags(item.get("title", "")),
+                                            snippet=strip_tags(item.get("description", "")),
+                                            rank=len(results) + 1, engine=self.name))
+            if len(results) >= limit:
+                break
+        return results
+
+
+# ---- local: an offline corpus ranked by BM25 -------------------------------------------------
+_WORD = re.compile(r"\w+", re.UNICODE)
+_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+LOCAL_SUFFIXES = (".html", ".htm", ".txt", ".md")
+
+
+def tokenize(text: str) -> list[str]:
+    return [w.lower() for w in _WORD.findall(text)]
+
+
+def bm25_scores(query: list[str], documents: list[list[str]], *, k1: float = 1.5,
+                b: float = 0.75) -> list[float]:
+    """Okapi BM25: Σ_t idf(t) · f(t,d)(k1+1) / (f(t,d) + k1(1 − b + b|d|/avgdl)),
+    idf(t) = ln(1 + (N − n_t + 0.5)/(n_t + 0.5))."""
+    n_docs = len(documents)
+    if not n_docs:
+        return []
+    avgdl = sum(len(d) for d in documents) / n_docs or 1.0
+    df = Counter(t for d in documents for t in set(d))
+    scores = []
+    for doc in documents:
+        tf = Counter(doc)
+        score = 0.0
+        for term in set(query):
+            f = tf.get(term, 0)
+            if not f:
+                continue
+            idf = math.log(1 + (n_docs - df[term] + 0.5) / (df[term] + 0.5))
+            score += idf * f * (k1 + 1) / (f + k1 * (1 - b + b * len(doc) / avgdl))
+        scores.append(score)
+    return scores
+
+
+class LocalSearch:
+    """``local:PATH``: a folder of HTML/text files or a JSONL corpus, ranked by BM25 on title+text."""
+
+    name = "local"
+
+    def __init__(self, path: str, **_: object):
+        if not path:
+            raise UsageError("--search local needs a path: local:DIR or local:FILE.jsonl")
+        self.path = Path(path)
+        if not self.path.exists():
+            raise InputError("no such local corpus (folder of .html/.txt files or a JSONL file)",
+                             source=str(path))
+        self.entries = self._load()
+        self._tokens = [tokenize(e.title + " " + e.title + " " + _visible_text(e)) for e in self.entries]
+
+    def _load(self) -> list[SearchResult]:
+        entries = []
+        if self.path.is_dir():
+            for file in sorted(p for p in self.path.rglob("*") if p.is_file()
+                               and p.suffix.lower() in LOCAL_SUFFIXES):
+                text = file.read_text(encoding="utf-8", errors="replace")
+                is_html = file.suffix.lower() in (".html", ".htm")
+                if is_html:
+                    match = _TITLE.search(text)
+                    title = strip_tags(match.group(1)) if match else file.stem
+                else:
+                    title = next((line.strip("# ").strip() for line in text.splitlines() if line.strip()),
+                                 file.stem)
+                entries.append(SearchResult(url=file.resolve().as_uri(), title=title, engine=self.name,
+                                            content=text,
+                                            content_type="text/html" if is_html else "text/plain"))
+            return entries
+        from sptool.jsonl import read_records
+
+        for record in read_records(str(self.path)):
+            html = record.get("html")
+            text = record.get("text")
+            if not isinstance(html, str) and not isinstance(text, str):
+                continue
+            number = len(entries) + 1
+            url = str(record.get("url") or f"{self.path.resolve().as_uri()}#{number}")
+            entries.append(SearchResult(url=url, title=str(record.get("title") or ""), engine=self.name,
+                                        content=html if isinstance(html, str) else text,
+                                        content_type="text/html" if isinstance(html, str) else "text/plain"))
+        return entries
+
+    def search(self, query: str, limit: int) -> list[SearchResult]:
+        scores = bm25_scores(tokenize(query), self._tokens)
+        order = sorted((i for i, s in enumerate(scores) if s > 0), key=lambda i: (-scores[i], i))
+        results = []
+        for rank, index in enumerate(order[:limit], start=1):
+            entry = self.entries[index]
+            results.append(SearchResult(url=entry.url, title=entry.title, rank=rank, engine=self.name,
+                                        content=entry.content, content_type=entry.content_type))
+        return results
+
+
+def _visible_text(entry: SearchResult) -> str:
+    text = entry.content or ""
+    if entry.content_type == "text/html":
+        text = re.sub(r"<(script|style)[^>]*>.*?</\1>", " ", text, flags=re.IGNORECASE | re.DOTALL)
+        text = strip_tags(text)
+    return text
+
+
+SEARCH_BACKENDS: dict[str, Callable[..., SearchBackend]] = {
+    "searxng": SearxngSearch,
+    "wikipedia": WikipediaSearch,
+    "brave": BraveSearch,
+    "local": LocalSearch,
+}
+
+
+def load_search(spec: str, *, url: str | None = None, timeout: float = 15.0) -> SearchBackend:
+    """A search backend from ``--search`` (``searxng``, ``wikipedia``, ``brave``, ``local:PATH``)."""
+    name, _, argument = spec.partition(":")
+    name = name.strip().lower()
+    if name not in SEARCH_BACKENDS:
+        close = difflib.get_close_matches(name, list(SEARCH_BACKENDS), n=1)
+        hint = f" Did you mean: {close[0]}?" if close else ""
+        raise UsageError(f"unknown search backend {name!r}.{hint} "
+                         f"Choose from: {', '.join(sorted(SEARCH_BACKENDS))} (local:PATH).")
+    if name == "local":
+        return LocalSearch(argument or url or "")
+    if argument:
+        url = url or argument
+    return SEARCH_BACKENDS[name](url, timeout=timeout)
