@@ -1,0 +1,135 @@
+"""Training checkpoints: an HF-format model directory plus ``sptool_state/``, written atomically.
+
+Layout of a checkpoint directory::
+
+    OUT/
+      config.json, model.safetensors, tokenizer files     (full fine-tuning), or
+      adapter_config.json, adapter_model.safetensors, tokenizer files   (LoRA, peft)
+      sptool_state/
+        state.json      step, role(s), the training config used, base and reference model
+        optimizer.pt    AdamW state (torch.save; read back with torch.load(weights_only=True))
+
+Any HF tool (and ``sptool solve --model OUT``) loads the directory as a model; ``train-step
+--model OUT`` also resumes the optimizer state and the step counter.
+
+Writing is atomic: everything is staged in a hidden temporary directory beside OUT and renamed
+into place at the end. A crash while saving leaves the input checkpoint untouched and no OUT
+(at worst a hidden ``.OUT.sptool-tmp-*`` directory that the next save ignores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from sptool.records import RuntimeFailure, UsageError
+
+STATE_DIR = "sptool_state"
+STATE_FILE = "state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+FORMAT_VERSION = 1
+CRASH_ENV = "SPTOOL_TEST_CRASH_DURING_SAVE"  # tests: "1"/"raise" raises, "kill" exits abruptly
+
+
+def is_checkpoint_dir(path: str | os.PathLike) -> bool:
+    """True when ``path`` looks like a model directory sptool may replace."""
+    path = Path(path)
+    return path.is_dir() and any((path / name).exists() for name in
+                                 (STATE_DIR, "config.json", "adapter_config.json"))
+
+
+def read_state(path: str | os.PathLike) -> dict | None:
+    """The ``sptool_state/state.json`` of a checkpoint, or None for a plain HF directory."""
+    file = Path(path) / STATE_DIR / STATE_FILE
+    if not file.is_file():
+        return None
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RuntimeFailure(f"cannot read {file}: {exc}") from None
+
+
+def load_optimizer_state(path: str | os.PathLike) -> dict | None:
+    """The saved optimizer state dict (safe loading: tensors and plain containers only)."""
+    import torch
+
+    file = Path(path) / STATE_DIR / OPTIMIZER_FILE
+    if not file.is_file():
+        return None
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a corrupt or unsafe file is an environment failure
+        raise RuntimeFailure(f"cannot load optimizer state {file}: {str(exc).splitlines()[0]}") from None
+
+
+def _maybe_crash(stage: str) -> None:
+    mode = os.environ.get(CRASH_ENV, "")
+    if not mode or mode == "0":
+        return
+    if mode == "kill":
+        os._exit(137)  # like SIGKILL: no cleanup runs
+    raise RuntimeError(f"injected crash during save ({CRASH_ENV}={mode}, after {stage})")
+
+
+def check_output_path(output: str | os.PathLike) -> Path:
+    """Refuse an OUT that exists and is not a checkpoint (never delete a user's directory)."""
+    output = Path(output)
+    if output.exists() and not is_checkpoint_dir(output):
+        raise UsageError(f"--output {output} exists and is not a model checkpoint; choose a new directory")
+    if not output.parent.exists():
+        raise UsageError(f"--output {output}: parent directory {output.parent} does not exist")
+    return output
+
+
+def save_checkpoint(output: str | os.PathLike, *, save_model: Callable[[str], None],
+                    optimizer_state: dict | None, state: dict[str, Any]) -> Path:
+    """Write a checkpoint atomically.
+
+    ``save_model(directory)`` writes the HF files (model or adapter, tokenizer) into the staging
+    directory; then the optimizer state and ``state.json`` are added, and the staging directory is
+    renamed to ``output``. An existing checkpoint at ``output`` (for example ``--output`` equal to
+    ``--model``) is swapped out only after the new one is complete.
+    """
+    import torch
+
+    output = check_output_path(output).absolute()
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.sptool-tmp-", dir=output.parent))
+    try:
+        save_model(str(staging))
+        _maybe_crash("model weights")
+        state_dir = staging / STATE_DIR
+        state_dir.mkdir()
+        if optimizer_state is not None:
+            torch.save(optimizer_state, state_dir / OPTIMIZER_FILE)
+        (state_dir / STATE_FILE).write_text(
+            json.dumps({"format": FORMAT_VERSION, **state}, indent=2, ensure_ascii=False) + "\n",
+            encoding="utf-8")
+        _fsync_tree(staging)
+        if output.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.sptool-old-", dir=output.parent))
+            os.replace(output, retired / "checkpoint")
+            os.replace(staging, output)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output
+
+
+def _fsync_tree(root: Path) -> None:
+    for directory, _, files in os.walk(root):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

@@ -1,0 +1,170 @@
+"""Policy-gradient objectives as pure functions: advantages, clipped surrogate, KL, aggregation.
+
+Three objectives share one token-level form and differ in three knobs (:data:`OBJECTIVES`):
+
+=========  ===========================  ==========================  =================
+objective  advantage of completion i    token-sum normalisation     clip (low, high)
+=========  ===========================  ==========================  =================
+dr_grpo    r_i − mean(r)                global constant N · L_max   (0.2, 0.2)
+grpo       (r_i − mean(r)) / (std + ε)  per sequence, 1/(N·|y_i|)   (0.2, 0.2)
+dapo       (r_i − mean(r)) / (std + ε)  token-level, 1/Σ_j |y_j|    (0.2, 0.28)
+=========  ===========================  ==========================  =================
+
+Sources: Dr. GRPO as used by WIST §2.2 (eq. 3, "PPO-style clipped objective at the token level
+with a global normalization constant"); GRPO as written in SvS §3.1 (eq. 1–2); DAPO's
+clip-higher and token-level loss as adopted by SvS §4.1 (Yu et al. 2025).
+
+Everything is expressed as **per-token weights** (:func:`sequence_token_weights`) so that the
+loss of a batch is ``Σ_tokens w_i · ℓ_{i,t}``: a sum that splits across micro-batches and ranks
+without changing its value (gradient accumulation and data parallelism stay exact).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The knobs that define one objective (see the module table)."""
+
+    name: str
+    advantage: str        # "centered" (Dr. GRPO) or "normalised" (GRPO, DAPO)
+    aggregation: str      # "global_constant", "sequence_mean" or "token_mean"
+    clip_low: float
+    clip_high: float
+
+
+OBJECTIVES: dict[str, Objective] = {
+    "dr_grpo": Objective("dr_grpo", "centered", "global_constant", 0.2, 0.2),
+    "grpo": Objective("grpo", "normalised", "sequence_mean", 0.2, 0.2),
+    "dapo": Objective("dapo", "normalised", "token_mean", 0.2, 0.28),
+}
+
+
+def centered_advantages(rewards: Sequence[float]) -> list[float]:
+    """Dr. GRPO group-centred advantage (WIST eq. 3): ``A_i = r_i − (1/G) Σ_j r_j``."""
+    if not rewards:
+        return []
+    mean = sum(rewards) / len(rewards)
+    return [float(r - mean) for r in rewards]
+
+
+def normalised_advantages(rewards: Sequence[float], epsilon: float = 1e-6) -> list[float]:
+    """GRPO group-normalised advantage (SvS eq. 1): ``A_i = (r_i − mean(r)) / (std(r) + ε)``.
+
+    ``std`` is the population standard deviation of the group (ddof 0); ``ε`` keeps a group of
+    equal rewards at ``A = 0`` instead of dividing by zero.
+    """
+    if not rewards:
+        return []
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    return [float((r - mean) / (std + epsilon)) for r in rewards]
+
+
+def group_advantages(rewards: Sequence[float], objective: str = "dr_grpo", epsilon: float = 1e-6) -> list[float]:
+    """Advantages of one group under ``objective`` (dr_grpo: centred; grpo, dapo: normalised)."""
+    kind = OBJECTIVES[objective].advantage
+    return centered_advantages(rewards) if kind == "centered" else normalised_advantages(rewards, epsilon)
+
+
+def sequence_token_weights(lengths: Sequence[int], aggregation: str,
+                           normaliser_length: int | None = None) -> list[float]:
+    """The weight ``w_i`` every completion token of sequence ``i`` gets in ``L = Σ_i Σ_t w_i ℓ_{i,t}``.
+
+    - ``sequence_mean`` (GRPO, SvS eq. 2): ``L = (1/N) Σ_i (1/|y_i|) Σ_t ℓ_{i,t}`` → ``w_i = 1/(N |y_i|)``
+    - ``token_mean`` (DAPO): ``L = Σ_i Σ_t ℓ_{i,t} / Σ_i |y_i|`` → ``w_i = 1/Σ_j |y_j|``
+    - ``global_constant`` (Dr. GRPO): ``L = Σ_i Σ_t ℓ_{i,t} / (N · L_max)`` → ``w_i = 1/(N L_max)``,
+      ``L_max`` = ``normaliser_length`` (e.g. the generation budget) or the longest completion of
+      the batch. The constant does not depend on each sequence's length, which removes GRPO's
+      length bias.
+
+    ``N`` is the number of completions in the whole batch (all micro-batches, all ranks).
+    Zero-length completions get weight 0.
+    """
+    n = len(lengths)
+    if n == 0:
+        return []
+    if aggregation == "sequence_mean":
+        return [1.0 / (n * length) if length else 0.0 for length in lengths]
+    if aggregation == "token_mean":
+        total = sum(lengths)
+        return [1.0 / total if total else 0.0 for _ in lengths]
+    if aggregation == "global_constant":
+        constant = normaliser_length if normaliser_length else max(lengths)
+        return [1.0 / (n * constant) if constant else 0.0 for _ in lengths]
+    raise ValueError(f"unknown aggregation '{aggregation}'")
+
+
+def clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low: float, clip_high: float):
+    """Per-token PPO clipped surrogate, as a loss (negated objective).
+
+    ``k_t = exp(log π_θ(y_t) − log π_old(y_t))``,
+    ``ℓ_t = −min(k_t · A_t, clip(k_t, 1 − ε_low, 1 + ε_high) · A_t)``.
+
+    With ``old_logprobs = logprobs.detach()`` the ratio is 1 and the gradient is the plain
+    policy gradient ``−A_t ∇ log π_θ(y_t)``. Returns ``(loss, clipped)`` where ``clipped`` is a
+    bool tensor marking tokens whose clipped branch is active (zero gradient).
+    """
+    import torch
+
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped_ratio = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped_term = clipped_ratio * advantages
+    loss = -torch.minimum(unclipped, clipped_term)
+    clipped = ((ratio < 1.0 - clip_low) & (advantages < 0)) | ((ratio > 1.0 + clip_high) & (advantages > 0))
+    return loss, clipped
+
+
+def k3_kl(logprobs, ref_logprobs):
+    """Per-token low-variance KL estimator (Schulman's k3, used by GRPO):
+
+    ``D_KL(π_θ ‖ π_ref) ≈ exp(log π_ref − log π_θ) − (log π_ref − log π_θ) − 1`` (≥ 0, unbiased).
+    """
+    import torch
+
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1.0
+
+
+def token_entropy(logits):
+    """Per-position entropy ``H = −Σ_v p_v log p_v`` of ``softmax(logits)`` (nats), for reporting."""
+    import torch
+
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def selected_logprobs(logits, targets):
+    """``log softmax(logits)[target]`` per row: the log-probability of each sampled token.
+
+    Uses TRL's memory-saving ``selective_log_softmax`` when trl is installed.
+    """
+    try:
+        from trl.trainer.utils import selective_log_softmax
+    except Exception:  # trl is optional (not on every machine)
+        import torch
+
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return selective_log_softmax(logits.float(), targets)
+
+
+def objective_loss(logprobs, old_logprobs, ref_logprobs, advantages, weights, *, clip_low: float,
+                   clip_high: float, beta: float = 0.0):
+    """The batch loss ``L = Σ_tokens w_i · (ℓ^clip_{i,t} + β · KL^k3_{i,t})`` over flat token tensors.
+
+    All arguments are 1-D tensors over the completion tokens of the (micro-)batch; ``advantages``
+    and ``weights`` are per token (each token carries its sequence's value). ``ref_logprobs``
+    may be None when ``beta == 0``. Returns ``(loss, per_token_surrogate, kl or None, clipped)``.
+    """
+    surrogate, clipped = clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
+    per_token = surrogate
+    kl = None
+    if beta and ref_logprobs is not None:
+        kl = k3_kl(logprobs, ref_logprobs)
+        per_token = per_token + beta * kl
+    return (per_token * weights).sum(), surrogate, kl, clipped

@@ -1,0 +1,613 @@
+"""One policy-gradient update from JSONL training groups (Dr. GRPO, GRPO, DAPO).
+
+TRL's GRPOTrainer samples its own rollouts and cannot take pre-computed ones, so this is sptool's
+own short torch loop (DESIGN §4 ``train-step``):
+
+1. each training group (``prompt``, ``completions``, ``rewards``, optional ``advantages``,
+   ``old_logprobs``, ``finish_reasons``) becomes sequences ``prompt tokens + completion tokens``;
+   the prompt is rendered by :func:`sptool.models.hf.render_prompt` (the function generation
+   uses) and tokenized alone, the completion is tokenized after it, and EOS is appended to a
+   completion that ended with a stop, so the trainer scores exactly the tokens that were sampled;
+2. per-token weights from :mod:`sptool.train.losses` make the batch loss a plain sum, which is
+   split into micro-batches under a token budget (gradient accumulation) and across ranks
+   (DDP through ``accelerate``: the same command runs under ``accelerate launch``/``torchrun``);
+3. one AdamW step (gradient clipping), then rank 0 writes the checkpoint atomically.
+
+:class:`PolicyTrainer` is the Python API: ``trainer.update(groups)`` is one optimizer update,
+callable several times in one process (the optimizer state carries over), ``trainer.save(OUT)``
+writes a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from sptool.records import Field, InputError, RecordKind, RuntimeFailure, UsageError, describe
+from sptool.train import checkpoint as ckpt
+from sptool.train.losses import (OBJECTIVES, group_advantages, objective_loss, selected_logprobs,
+                                 sequence_token_weights, token_entropy)
+
+# ---------------------------------------------------------------------------------------------
+# Input records
+
+
+def _check_prompt(value: Any) -> str | None:
+    if isinstance(value, str):
+        return None if value else "expected a non-empty string or a list of chat messages"
+    if not value:
+        return "expected a non-empty list of chat messages"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str) \
+                or not isinstance(message.get("role"), str):
+            return f"expected chat messages {{role, content}}, item {i} is {describe(message)}"
+    return None
+
+
+def _check_strings(value: list) -> str | None:
+    if not value:
+        return "expected a non-empty list of strings"
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            return f"expected a list of strings, item {i} is {describe(item)}"
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_numbers(value: list) -> str | None:
+    for i, item in enumerate(value):
+        if not _is_number(item):
+            return f"expected a list of finite numbers, item {i} is {describe(item)}"
+    return None
+
+
+def _check_logprob_lists(value: list) -> str | None:
+    for i, item in enumerate(value):
+        if item is None:
+            continue
+        if not isinstance(item, list) or any(not _is_number(x) for x in item):
+            return f"expected a list of per-token number lists (or null), item {i} is {describe(item)}"
+    return None
+
+
+class TrainingGroupKind(RecordKind):
+    """A training group; besides field types, every per-completion list has one entry per completion."""
+
+    def validate(self, record: Any) -> dict:
+        record = super().validate(record)
+        n = len(record["completions"])
+        for name in ("rewards", "advantages", "old_logprobs", "finish_reasons"):
+            value = record.get(name)
+            if value is not None and len(value) != n:
+                raise InputError(f"expected {n} entries (one per completion), got {len(value)}", field=name)
+        for i, reason in enumerate(record.get("finish_reasons") or []):
+            if reason not in ("stop", "length"):
+                raise InputError(f"expected 'stop' or 'length', item {i} is {describe(reason)}",
+                                 field="finish_reasons")
+        return record
+
+
+TRAINING_GROUP = TrainingGroupKind("training group", (
+    Field("prompt", (str, list), check=_check_prompt,
+          help="chat messages (or plain text for base models), exactly as generation saw them"),
+    Field("completions", (list,), check=_check_strings, help="the sampled completion texts"),
+    Field("rewards", (list,), check=_check_numbers, help="one reward per completion"),
+    Field("role", (str,), required=False, help="solver, challenger, questioner, synthesis, validity"),
+    Field("advantages", (list,), required=False, nullable=True, check=_check_numbers),
+    Field("old_logprobs", (list,), required=False, nullable=True, check=_check_logprob_lists),
+    Field("finish_reasons", (list,), required=False, nullable=True,
+          help="'stop' (EOS appended) or 'length' per completion; default stop"),
+))
+
+
+def group_role(record: dict) -> str:
+    return str(record.get("role") or "policy")
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass
+class TrainConfig:
+    """Everything one ``train-step`` needs; saved into the checkpoint as the config used."""
+
+    model: str = "tiny"
+    loss: str = "dr_grpo"
+    beta: float = 0.0
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    clip_low: float | None = None       # default from the objective
+    clip_high: float | None = None
+    advantage_epsilon: float = 1e-6
+    normaliser_length: int | None = None  # Dr. GRPO constant; default: longest completion in batch
+    temperature: float = 1.0
+    max_tokens_per_micro_batch: int = 4096
+    roles: list[str] | None = None
+    lora_r: int = 0
+    lora_alpha: float | None = None     # default 2·r
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    ref_model: str | None = None
+    chat_template: bool = True
+    device: str | None = None
+    mixed_precision: str | None = None  # "no", "bf16", "fp16"; default bf16 on CUDA, no on CPU
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.loss not in OBJECTIVES:
+            from sptool.models.base import unknown_name_error
+
+            raise unknown_name_error("--loss", self.loss, list(OBJECTIVES))
+        objective = OBJECTIVES[self.loss]
+        if self.clip_low is None:
+            self.clip_low = objective.clip_low
+        if self.clip_high is None:
+            self.clip_high = objective.clip_high
+        checks = [
+            (self.learning_rate > 0, f"--learning-rate must be > 0, got {self.learning_rate}"),
+            (self.beta >= 0, f"--beta must be >= 0, got {self.beta}"),
+            (0 <= self.clip_low < 1, f"--clip-low must be in [0, 1), got {self.clip_low}"),
+            (self.clip_high >= 0, f"--clip-high must be >= 0, got {self.clip_high}"),
+            (self.temperature > 0, f"--temperature must be > 0, got {self.temperature}"),
+            (self.max_tokens_per_micro_batch >= 1, "--max-tokens-per-micro-batch must be >= 1"),
+            (self.lora_r >= 0, f"--lora-r must be >= 0, got {self.lora_r}"),
+            (self.normaliser_length is None or self.normaliser_length > 0, "--normaliser-length must be > 0"),
+            (self.weight_decay >= 0, "--weight-decay must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UsageError(message)
+
+    @property
+    def objective(self):
+        return OBJECTIVES[self.loss]
+
+
+@dataclass
+class TrainSequence:
+    """One completion ready for the model: token ids, its advantage and (optionally) old log-probs."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    advantage: float
+    reward: float = 0.0
+    role: str = "policy"
+    old_logprobs: list[float] | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of sequences grouped into micro-batches whose padded size ``rows × longest`` stays
+    within ``max_tokens`` (a longer single sequence gets a micro-batch of its own). Sequences are
+    sorted by length (longest first) to waste little padding; the order is deterministic."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for index in order:
+        grown = max(longest, lengths[index])
+        if current and grown * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, grown = [], lengths[index]
+        current.append(index)
+        longest = grown
+    if current:
+        batches.append(current)
+    return batches
+
+
+def peak_memory_mb(device) -> float:
+    import torch
+
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+
+
+class PolicyTrainer:
+    """Holds the policy, its optimizer, an optional frozen reference and the accelerator.
+
+    ``PolicyTrainer(config)`` loads ``config.model`` (``tiny``, an HF directory, a LoRA adapter
+    directory, or a previous ``train-step`` output whose optimizer state and step it resumes).
+    Tests and benchmarks may pass a ready ``model`` (and ``tokenizer``) instead.
+    """
+
+    def __init__(self, config: TrainConfig, *, model=None, tokenizer=None, log: Callable[[str], None] | None = None):
+        import torch
+        from accelerate import Accelerator
+
+        self.config = config
+        self.log = log or (lambda message: None)
+        self.torch = torch
+        cpu = (config.device or "").startswith("cpu") or not torch.cuda.is_available()
+        if (config.device or "").startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeFailure(f"--device {config.device} asked for, but torch sees no CUDA GPU")
+        mixed = config.mixed_precision or ("no" if cpu else "bf16")
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision=mixed)
+        self.device = self.accelerator.device
+        torch.manual_seed(config.seed)
+        self.state: dict = {}
+        self.step = 0
+        self.roles_trained: set[str] = set()
+        self.base_model: str | None = None
+        self.reference_model: str | None = None
+        self.old_logprob_mismatches = 0
+        if model is None:
+            model, tokenizer = self._load_policy()
+        else:
+            self.base_model = getattr(getattr(model, "config", None), "_name_or_path", None) or "<in-memory>"
+        self.tokenizer = tokenizer
+        self.is_lora = hasattr(model, "peft_config")
+        self.pad_id = self._pad_id(model)
+        self.ref_model = self._load_reference(model) if config.beta > 0 and not self.is_lora else None
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise RuntimeFailure("the model has no trainable parameters")
+        optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                                      eps=config.adam_epsilon, weight_decay=config.weight_decay)
+        self._restore_optimizer(optimizer, len(params))
+        self.params = params
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def _load_policy(self):
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        from sptool.models.hf import load_tokenizer
+        from sptool.models.resolve import resolve_model
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+        config = self.config
+        path = resolve_model(config.model, log=self.log)
+        if os.path.isdir(path):
+            path = os.path.abspath(path)
+            self.state = ckpt.read_state(path) or {}
+        self.step = int(self.state.get("step", 0))
+        self.roles_trained = set(self.state.get("roles", []))
+        adapter = os.path.isfile(os.path.join(path, "adapter_config.json"))
+        dtype = self.torch.float32  # master weights in fp32: small updates are not rounded away
+        try:
+            tokenizer = load_tokenizer(path)
+            if adapter:
+                from peft import PeftConfig, PeftModel
+
+                base_path = PeftConfig.from_pretrained(path).base_model_name_or_path
+                base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
+                model = PeftModel.from_pretrained(base, path, is_trainable=True)
+                self.base_model = base_path
+                if config.lora_r and config.lora_r != model.peft_config["default"].r:
+                    self.log(f"note: {config.model} is a LoRA adapter of rank "
+                             f"{model.peft_config['default'].r}; --lora-r {config.lora_r} ignored")
+            else:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+                self.base_model = path
+                if config.lora_r:
+                    from peft import LoraConfig, get_peft_model
+
+                    targets = config.lora_target_modules
+                    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha or 2 * config.lora_r,
+                                      lora_dropout=config.lora_dropout, task_type="CAUSAL_LM",
+                                      target_modules=targets[0] if targets == ["all-linear"] else targets)
+                    model = get_peft_model(model, lora)
+        except ImportError as exc:
+            raise RuntimeFailure(f"LoRA needs peft: pip install 'sptool[train]' ({exc})") from None
+        except (OSError, ValueError) as exc:
+            raise RuntimeFailure(f"cannot load model '{config.model}': {str(exc).splitlines()[0]}") from None
+        self.base_model = self.state.get("base_model", self.base_model)
+        return model, tokenizer
+
+    def _load_reference(self, policy):
+        """The frozen reference for the KL term: ``--ref-model``, else the reference recorded in the
+        input checkpoint, else the input model itself (the first step of a run)."""
+        from transformers import AutoModelForCausalLM
+
+        from sptool.models.resolve import resolve_model
+
+        source = self.config.ref_model or self.state.get("reference_model")
+        if source is None:
+            source = self.base_model if self.base_model and self.base_model != "<in-memory>" else None
+        if source is None:  # in-memory model: copy it
+            import copy
+
+            reference = copy.deepcopy(policy)
+            self.reference_model = "<in-memory copy>"
+        else:
+            path = resolve_model(source, log=self.log)
+            path = os.path.abspath(path) if os.path.isdir(path) else path
+            try:
+                reference = AutoModelForCausalLM.from_pretrained(path, dtype=self.torch.float32)
+            except OSError as exc:
+                raise RuntimeFailure(f"cannot load reference model '{source}': {str(exc).splitlines()[0]}") from None
+            self.reference_model = path
+        reference.eval().requires_grad_(False)
+        return reference.to(self.device)
+
+    def _restore_optimizer(self, optimizer, n_params: int) -> None:
+        if self.config.model is None or not os.path.isdir(str(self.config.model)):
+            return
+        saved = ckpt.load_optimizer_state(self.config.model)
+        if saved is None:
+            return
+        kind = "lora" if self.is_lora else "full"
+        saved_params = sum(len(group["params"]) for group in saved.get("param_groups", []))
+        if self.state.get("trainable") != kind or saved_params != n_params:
+            self.log(f"note: optimizer state in {self.config.model} does not match this model "
+                     f"({self.state.get('trainable')}, {saved_params} tensors); starting a fresh optimizer")
+            return
+        optimizer.load_state_dict(saved)
+        for group in optimizer.param_groups:  # this invocation's hyperparameters win
+            group.update(lr=self.config.learning_rate, weight_decay=self.config.weight_decay,
+                         betas=(self.config.adam_beta1, self.config.adam_beta2), eps=self.config.adam_epsilon)
+
+    def _pad_id(self, model) -> int:
+        if self.tokenizer is not None and self.tokenizer.pad_token_id is not None:
+            return int(self.tokenizer.pad_token_id)
+        return int(getattr(model.config, "pad_token_id", None) or 0)
+
+    def eos_id(self) -> int | None:
+        return self.tokenizer.eos_token_id if self.tokenizer is not None else None
+
+    # -- encoding --------------------------------------------------------------------------
+
+    def encode_group(self, group: dict) -> list[TrainSequence]:
+        """Token sequences of one group: rendered prompt, then each completion (+ EOS on stop)."""
+        from sptool.models.hf import render_prompt
+
+        tokenizer = self.tokenizer
+        rewards = [float(r) for r in group["rewards"]]
+        advantages = group.get("advantages")
+        if advantages is None:
+            advantages = group_advantages(rewards, self.config.loss, self.config.advantage_epsilon)
+        text = render_prompt(tokenizer, group["prompt"], self.config.chat_template)
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not prompt_ids:
+            raise InputError("renders to no tokens", field="prompt")
+        finish = group.get("finish_reasons") or ["stop"] * len(group["completions"])
+        old = group.get("old_logprobs") or [None] * len(group["completions"])
+        eos = self.eos_id()
+        role = group_role(group)
+        sequences = []
+        for i, completion in enumerate(group["completions"]):
+            ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+            if finish[i] == "stop" and eos is not None:
+                ids = ids + [eos]
+            old_i = old[i]
+            if old_i is not None and len(old_i) != len(ids):
+                self.old_logprob_mismatches += 1  # re-tokenisation differs: fall back to ratio 1
+                old_i = None
+            sequences.append(TrainSequence(prompt_ids, ids, float(advantages[i]), rewards[i], role, old_i))
+        return sequences
+
+    # -- the update ------------------------------------------------------------------------
+
+    def update(self, groups: Sequence[dict]) -> dict:
+        """One optimizer update over ``groups`` (all of them: one step). Returns the metrics."""
+        sequences = [seq for group in groups for seq in self.encode_group(group)]
+        for group in groups:
+            self.roles_trained.add(group_role(group))
+        metrics = self.update_sequences(sequences)
+        metrics["groups"] = len(groups)
+        return metrics
+
+    def update_sequences(self, sequences: Sequence[TrainSequence]) -> dict:
+        """One optimizer update over already tokenized sequences (the global batch)."""
+        torch = self.torch
+        config = self.config
+        accelerator = self.accelerator
+        start = time.perf_counter()
+        world, rank = accelerator.num_processes, accelerator.process_index
+        lengths = [len(seq.completion_ids) for seq in sequences]
+        weights = sequence_token_weights(lengths, config.objective.aggregation, config.normaliser_length)
+        nothing_to_learn = not sequences or (config.beta == 0 and all(seq.advantage == 0 for seq in sequences))
+        # sums over this rank: loss, clipped tokens, kl, entropy, ratio, completion tokens, all tokens
+        totals = torch.zeros(7, dtype=torch.float64, device=self.device)
+        n_micro = 0
+        grad_norm = 0.0
+        if not nothing_to_learn:
+            local = list(range(rank, len(sequences), world))
+            count = True
+            if not local:  # more ranks than sequences: take part in the all-reduce with weight 0
+                local, count = [0], False
+            plan = plan_micro_batches([sequences[i].length for i in local], config.max_tokens_per_micro_batch)
+            self.model.train()
+            for k, micro in enumerate(plan):
+                indices = [local[j] for j in micro]
+                batch = [sequences[i] for i in indices]
+                batch_weights = [weights[i] if count else 0.0 for i in indices]
+                sync = contextlib.nullcontext() if k == len(plan) - 1 else accelerator.no_sync(self.model)
+                with sync:
+                    loss, stats = self._micro_batch_loss(batch, batch_weights)
+                    accelerator.backward(loss * world)  # DDP averages gradients over ranks: undo it
+                if count:
+                    totals += stats
+            n_micro = len(plan)
+            if config.max_grad_norm and config.max_grad_norm > 0:
+                grad_norm = float(accelerator.clip_grad_norm_(self.params, config.max_grad_norm))
+            else:
+                grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None])))
+            if not math.isfinite(grad_norm):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise RuntimeFailure(f"non-finite gradient norm ({grad_norm}) at step {self.step + 1}; "
+                                     "no update written (lower --learning-rate or check the rewards)")
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        totals = accelerator.reduce(totals, reduction="sum") if world > 1 else totals
+        self.step += 1
+        seconds = time.perf_counter() - start
+        loss_sum, clipped, kl_sum, entropy_sum, ratio_sum, completion_tokens, all_tokens = totals.tolist()
+        if nothing_to_learn:
+            completion_tokens = float(sum(lengths))
+            all_tokens = float(sum(seq.length for seq in sequences))
+        return self._metrics(sequences, loss_sum, clipped, kl_sum, entropy_sum, ratio_sum, completion_tokens,
+                             all_tokens, seconds, grad_norm, n_micro, nothing_to_learn)
+
+    def _micro_batch_loss(self, batch: Sequence[TrainSequence], weights: Sequence[float]):
+        torch = self.torch
+        config = self.config
+        rows, width = len(batch), max(seq.length for seq in batch)
+        input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((rows, width), dtype=torch.long)
+        completion = torch.zeros((rows, width), dtype=torch.bool)
+        advantages, token_weights, old_values, has_old = [], [], [], []
+        for row, seq in enumerate(batch):
+            ids = seq.prompt_ids + seq.completion_ids
+            input_ids[row, :len(ids)] = torch.tensor(ids)
+            attention[row, :len(ids)] = 1
+            completion[row, len(seq.prompt_ids):len(ids)] = True
+            n = len(seq.completion_ids)
+            advantages += [seq.advantage] * n
+            token_weights += [weights[row]] * n
+            old_values += seq.old_logprobs if seq.old_logprobs is not None else [0.0] * n
+            has_old += [seq.old_logprobs is not None] * n
+        device = self.device
+        input_ids, attention, completion = input_ids.to(device), attention.to(device), completion.to(device)
+        targets_mask = completion[:, 1:]  # logits at position t predict token t + 1
+        targets = input_ids[:, 1:][targets_mask]
+        logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
+        selected = logits[:, :-1][targets_mask].float()
+        if config.temperature != 1.0:
+            selected = selected / config.temperature
+        logprobs = selected_logprobs(selected, targets)
+        as_tensor = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+        old = torch.where(as_tensor(has_old, torch.bool), as_tensor(old_values), logprobs.detach())
+        ref = None
+        if config.beta > 0:
+            ref = self._reference_logprobs(input_ids, attention, targets_mask, targets)
+        loss, _, kl, clipped = objective_loss(
+            logprobs, old, ref, as_tensor(advantages), as_tensor(token_weights),
+            clip_low=config.clip_low, clip_high=config.clip_high, beta=config.beta)
+        with torch.no_grad():
+            entropy = token_entropy(selected.detach())
+            stats = torch.stack([
+                loss.detach().double(), clipped.sum().double(),
+                kl.sum().double() if kl is not None else torch.zeros((), dtype=torch.float64, device=device),
+                entropy.sum().double(), torch.exp(logprobs.detach() - old).sum().double(),
+                torch.tensor(float(targets.numel()), dtype=torch.float64, device=device),
+                attention.sum().double(),
+            ])
+        return loss, stats
+
+    def _reference_logprobs(self, input_ids, attention, targets_mask, targets):
+        torch = self.torch
+        with torch.no_grad():
+            if self.is_lora:
+                policy = self.accelerator.unwrap_model(self.model)
+                with policy.disable_adapter():
+                    logits = policy(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
+            else:
+                with self.accelerator.autocast():
+                    logits = self.ref_model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
+            selected = logits[:, :-1][targets_mask].float()
+            if self.config.temperature != 1.0:
+                selected = selected / self.config.temperature
+            return selected_logprobs(selected, targets)
+
+    def _metrics(self, sequences, loss_sum, clipped, kl_sum, entropy_sum, ratio_sum, completion_tokens,
+                 all_tokens, seconds, grad_norm, n_micro, skipped) -> dict:
+        by_role: dict[str, list[float]] = {}
+        for seq in sequences:
+            by_role.setdefault(seq.role, []).append(seq.reward)
+        advantages = [seq.advantage for seq in sequences]
+        mean = sum(advantages) / len(advantages) if advantages else 0.0
+        std = math.sqrt(sum((a - mean) ** 2 for a in advantages) / len(advantages)) if advantages else 0.0
+        tokens = max(completion_tokens, 1.0)
+        trained = not skipped
+        return {
+            "step": self.step,
+            "objective": self.config.loss,
+            "loss": loss_sum if trained else 0.0,
+            "completions": len(sequences),
+            "reward_mean": {role: sum(values) / len(values) for role, values in sorted(by_role.items())},
+            "advantage": {"mean": mean, "std": std, "min": min(advantages, default=0.0),
+                          "max": max(advantages, default=0.0)},
+            "clip_fraction": clipped / tokens if trained else 0.0,
+            "ratio_mean": ratio_sum / tokens if trained else 1.0,
+            "kl": kl_sum / tokens if trained and self.config.beta > 0 else None,
+            "entropy": entropy_sum / tokens if trained else None,
+            "completion_tokens": int(completion_tokens),
+            "tokens": int(all_tokens),
+            "tokens_per_s": all_tokens / seconds if trained and seconds > 0 else 0.0,
+            "grad_norm": grad_norm,
+            "learning_rate": self.config.learning_rate,
+            "micro_batches": n_micro,
+            "world_size": self.accelerator.num_processes,
+            "seconds": seconds,
+            "peak_memory_mb": peak_memory_mb(self.device),
+            "skipped": skipped,
+            "old_logprob_mismatches": self.old_logprob_mismatches,
+        }
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def checkpoint_state(self) -> dict:
+        config = asdict(self.config)
+        return {
+            "step": self.step,
+            "roles": sorted(self.roles_trained),
+            "trainable": "lora" if self.is_lora else "full",
+            "base_model": self.base_model,
+            "reference_model": self.reference_model or self.state.get("reference_model") or self.base_model,
+            "parent": self.config.model,
+            "config": config,
+        }
+
+    def save(self, output: str | os.PathLike) -> None:
+        """Rank 0 writes the checkpoint atomically; other ranks wait for it."""
+        accelerator = self.accelerator
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            policy = accelerator.unwrap_model(self.model)
+
+            def save_model(directory: str) -> None:
+                policy.save_pretrained(directory, safe_serialization=True)
+                if self.tokenizer is not None:
+                    self.tokenizer.save_pretrained(directory)
+
+            ckpt.save_checkpoint(output, save_model=save_model, optimizer_state=self.optimizer.state_dict(),
+                                 state=self.checkpoint_state())
+        accelerator.wait_for_everyone()
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.accelerator.is_main_process
+
+
+def split_updates(groups: list[dict], groups_per_update: int | None) -> list[list[dict]]:
+    """All groups in one update (default), or consecutive chunks of ``groups_per_update`` groups."""
+    if not groups_per_update or groups_per_update >= len(groups):
+        return [groups]
+    return [groups[i:i + groups_per_update] for i in range(0, len(groups), groups_per_update)]
+
+
+def select_roles(groups: Iterable[dict], roles: list[str] | None, on_skip: Callable[[dict], None]) -> list[dict]:
+    selected = []
+    for group in groups:
+        if roles and group_role(group) not in roles:
+            on_skip(group)
+            continue
+        selected.append(group)
+    return selected
