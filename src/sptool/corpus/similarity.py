@@ -47,6 +47,12 @@ def _load_sentence_transformer(path: str, device: str | None):
     except ImportError:
         raise RuntimeFailure("title similarity needs sentence-transformers: pip install 'sptool[web]'") from None
     try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # stderr is for sptool's own progress
+    except ImportError:  # pragma: no cover
+        pass
+    try:
         return SentenceTransformer(path, device=device or "cpu", local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - any loading failure is an environment problem
         raise RuntimeFailure(f"cannot load the title encoder {path!r}: {exc}") from None
