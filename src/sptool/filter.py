@@ -393,7 +393,7 @@ class FilterStage(Stage):
                 if not is_parsed(record):
                     rewards[id(record)] = R.FORMAT_FAILURE_REWARD
                     terms[id(record)] = {"format_failure": True}
-                    self.drop(record, f"solver: unparsable question ({record.get('invalid_reason')})")
+                    self.drop(record, "solver: unparsable question")
                 elif verdict(record, "math", "majority_frac") is None or not samples_of(record):
                     self.drop(record, "question without a verdict (run solve | verify)")
                 else:
@@ -428,7 +428,7 @@ class FilterStage(Stage):
                 if not is_parsed(record):
                     rewards[id(record)] = R.FORMAT_FAILURE_REWARD
                     terms[id(record)] = {"format_failure": True}
-                    self.drop(record, f"solver: unparsable question ({record.get('invalid_reason')})")
+                    self.drop(record, "solver: unparsable question")
                     continue
                 u = verdict(record, "validity", "invalid_frac")
                 if u is None:
@@ -546,7 +546,7 @@ class FilterStage(Stage):
     def _svs_solver(self, record: dict, what: str) -> dict | None:
         acc = record.get("p_hat")
         if not R.svs_keep_original(acc):
-            self.drop(record, f"solver: {what} Acc = {acc} (needs 0 < Acc < 1)")
+            self.drop(record, f"solver: {what} Acc is 0 or 1")
             return None
         rewards = [R.binary_correctness_reward(s.get("correct")) for s in samples_of(record)]
         group = self.solver_group(record, rewards, variant=what == "variant")
