@@ -655,6 +655,18 @@ class PosteriorUpdateStage(Stage):
         self.source = source
         self.applied = set(tree["applied"])
         self.observations = 0
+        # The node check is part of input validation, so a bad line is reported as source:line.
+        nodes_field = Field("nodes", (list,), required=False, nullable=True, check=self._check_nodes,
+                            help="node ids of the path")
+        self.input_kind = RecordKind("verdict", tuple(nodes_field if f.name == "nodes" else f
+                                                      for f in VERDICT.fields))
+
+    def _check_nodes(self, nodes: list) -> str | None:
+        for node_id in nodes:
+            if not isinstance(node_id, str) or node_id not in self.tree["nodes"]:
+                shown = json.dumps(node_id) if isinstance(node_id, str) else describe(node_id)
+                return f"node {shown} is not in the tree {self.source} (verdicts from another tree?)"
+        return None
 
     def _path_nodes(self, record: dict) -> list[str] | None:
         nodes = record.get("nodes")
@@ -662,10 +674,9 @@ class PosteriorUpdateStage(Stage):
             nodes = self.tree["paths"].get(record["path_id"])
         if nodes is None:
             return None
-        for node_id in nodes:
-            if not isinstance(node_id, str) or node_id not in self.tree["nodes"]:
-                raise InputError(f"node {describe(node_id)} is not in the tree {self.source} "
-                                 "(verdicts from another tree?)", field="nodes")
+        problem = self._check_nodes(nodes)
+        if problem:
+            raise InputError(problem, field="nodes")
         return list(nodes)
 
     def _apply(self, key: str, nodes: list[str], g: int) -> None:
