@@ -57,6 +57,8 @@ def train_step(
     normaliser_length: Optional[int] = typer.Option(
         None, "--normaliser-length", help="Dr. GRPO constant L in N·L (e.g. the generation budget); "
         "default: the longest completion of the batch."),
+    recompute_advantages: bool = typer.Option(False, "--recompute-advantages", help="Ignore the groups' "
+                                              "'advantages' and compute them from 'rewards' for --loss."),
     temperature: float = typer.Option(1.0, "--temperature", help="Divide logits by this (as sampling did)."),
     max_tokens_per_micro_batch: int = typer.Option(
         4096, "--max-tokens-per-micro-batch", help="Padded tokens per forward/backward (gradient accumulation)."),
@@ -99,6 +101,7 @@ def train_step(
     config = TrainConfig(
         model=model, loss=loss, beta=beta, learning_rate=learning_rate, weight_decay=weight_decay,
         max_grad_norm=max_grad_norm, clip_low=clip_low, clip_high=clip_high, normaliser_length=normaliser_length,
+        recompute_advantages=recompute_advantages,
         temperature=temperature, max_tokens_per_micro_batch=max_tokens_per_micro_batch, roles=_split_list(roles),
         lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
         lora_target_modules=_split_list(lora_target_modules) or ["all-linear"], ref_model=ref_model,

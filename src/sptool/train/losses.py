@@ -55,13 +55,14 @@ def centered_advantages(rewards: Sequence[float]) -> list[float]:
 def normalised_advantages(rewards: Sequence[float], epsilon: float = 1e-6) -> list[float]:
     """GRPO group-normalised advantage (SvS eq. 1): ``A_i = (r_i − mean(r)) / (std(r) + ε)``.
 
-    ``std`` is the population standard deviation of the group (ddof 0); ``ε`` keeps a group of
-    equal rewards at ``A = 0`` instead of dividing by zero.
+    ``std`` is the sample standard deviation (Bessel-corrected, as ``torch.std`` in TRL/verl and
+    :func:`sptool.rewards.group_advantages` that ``filter`` uses; 0 for a single completion);
+    ``ε`` keeps a group of equal rewards at ``A = 0`` instead of dividing by zero.
     """
     if not rewards:
         return []
     mean = sum(rewards) / len(rewards)
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) if len(rewards) > 1 else 0.0
     return [float((r - mean) / (std + epsilon)) for r in rewards]
 
 
@@ -140,17 +141,14 @@ def token_entropy(logits):
 
 
 def selected_logprobs(logits, targets):
-    """``log softmax(logits)[target]`` per row: the log-probability of each sampled token.
+    """``log softmax(logits)[target] = logit_target − logsumexp(logits)`` per row: the
+    log-probability of each sampled token, without materialising the full log-softmax (the same
+    computation as TRL's ``selective_log_softmax``; TRL itself is not imported: it costs seconds
+    at start-up and is missing on some machines)."""
+    import torch
 
-    Uses TRL's memory-saving ``selective_log_softmax`` when trl is installed.
-    """
-    try:
-        from trl.trainer.utils import selective_log_softmax
-    except Exception:  # trl is optional (not on every machine)
-        import torch
-
-        return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return selective_log_softmax(logits.float(), targets)
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def objective_loss(logprobs, old_logprobs, ref_logprobs, advantages, weights, *, clip_low: float,

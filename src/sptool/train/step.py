@@ -131,6 +131,7 @@ class TrainConfig:
     clip_low: float | None = None       # default from the objective
     clip_high: float | None = None
     advantage_epsilon: float = 1e-6
+    recompute_advantages: bool = False  # ignore the groups' stored advantages
     normaliser_length: int | None = None  # Dr. GRPO constant; default: longest completion in batch
     temperature: float = 1.0
     max_tokens_per_micro_batch: int = 4096
@@ -253,6 +254,7 @@ class PolicyTrainer:
         self.base_model: str | None = None
         self.reference_model: str | None = None
         self.old_logprob_mismatches = 0
+        self.warned_advantage_kind = False
         if model is None:
             model, tokenizer = self._load_policy()
         else:
@@ -380,8 +382,13 @@ class PolicyTrainer:
         tokenizer = self.tokenizer
         rewards = [float(r) for r in group["rewards"]]
         advantages = group.get("advantages")
-        if advantages is None:
+        wanted = "dr_grpo" if self.config.objective.advantage == "centered" else "grpo"
+        if advantages is None or self.config.recompute_advantages:
             advantages = group_advantages(rewards, self.config.loss, self.config.advantage_epsilon)
+        elif group.get("advantage") not in (None, wanted) and not self.warned_advantage_kind:
+            self.warned_advantage_kind = True
+            self.log(f"note: groups carry '{group.get('advantage')}' advantages, --loss {self.config.loss} "
+                     f"normally uses '{wanted}'; using the stored ones (--recompute-advantages to recompute)")
         text = render_prompt(tokenizer, group["prompt"], self.config.chat_template)
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not prompt_ids:
@@ -393,9 +400,12 @@ class PolicyTrainer:
         sequences = []
         for i, completion in enumerate(group["completions"]):
             ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-            if finish[i] == "stop" and eos is not None:
-                ids = ids + [eos]
             old_i = old[i]
+            stopped = finish[i] == "stop"
+            if not group.get("finish_reasons") and old_i is not None and len(old_i) == len(ids):
+                stopped = False  # no finish_reasons: the sampler's log-probs show no EOS was sampled
+            if stopped and eos is not None:
+                ids = ids + [eos]
             if old_i is not None and len(old_i) != len(ids):
                 self.old_logprob_mismatches += 1  # re-tokenisation differs: fall back to ratio 1
                 old_i = None
@@ -580,6 +590,9 @@ class PolicyTrainer:
         accelerator = self.accelerator
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
+            import transformers
+
+            transformers.utils.logging.disable_progress_bar()
             policy = accelerator.unwrap_model(self.model)
 
             def save_model(directory: str) -> None:

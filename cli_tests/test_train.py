@@ -1,0 +1,422 @@
+"""``sptool train-step``: objectives against their equations, update direction, optimizer state,
+distributed equivalence, LoRA, atomic checkpoints, CLI contract, and a real-model reward rise."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import read_jsonl, write_jsonl
+
+torch = pytest.importorskip("torch")
+
+from sptool.train import losses  # noqa: E402
+
+# ------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory, tiny_model_dir) -> str:
+    """A small RANDOM-initialised Llama (hidden 64, 2 layers) with the tiny model's tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    path = tmp_path_factory.mktemp("random-llama") / "model"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def group(prompt="What is 2 + 2?", completions=("4", "5"), rewards=(1.0, 0.0), role="solver", **extra) -> dict:
+    return {"prompt": [{"role": "user", "content": prompt}], "completions": list(completions),
+            "rewards": list(rewards), "role": role, **extra}
+
+
+GROUPS = [
+    group("What is 2 + 2?", ["4", "The answer is 5.", "4, surely"], [1.0, 0.0, 1.0]),
+    group("Name a prime.", ["7", "9 is prime", "2"], [1.0, 0.0, 0.5]),
+    group("Write a hard problem.", ["What is 3 + 3?", "hello"], [0.6, -1.0], role="questioner"),
+    group("Say yes.", ["yes", "no thanks, I will not"], [1.0, 0.0], finish_reasons=["stop", "length"]),
+]
+
+
+def weights_of(directory) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    assert files, f"no safetensors in {directory}"
+    state = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def make_trainer(model_dir, **options):
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    return PolicyTrainer(TrainConfig(model=model_dir, **options))
+
+
+def sequence_logprob(trainer, prompt_messages, completion: str) -> float:
+    """log π(completion | prompt) under the trainer's current policy (EOS appended)."""
+    from sptool.models.hf import render_prompt
+
+    tokenizer = trainer.tokenizer
+    prompt_ids = tokenizer(render_prompt(tokenizer, prompt_messages), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    input_ids = torch.tensor([prompt_ids + ids])
+    with torch.no_grad():
+        logits = trainer.model(input_ids=input_ids).logits[0, len(prompt_ids) - 1:-1].float()
+    return float(torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).sum())
+
+
+# ------------------------------------------------------------------------------ pure formulas
+
+
+def test_advantages_hand_computed():
+    assert losses.centered_advantages([1, 0, 1]) == pytest.approx([1 / 3, -2 / 3, 1 / 3])
+    # sample std of [1, 0] is sqrt(0.5) = 0.70711; (±0.5) / (0.70711 + 1e-6)
+    assert losses.normalised_advantages([1, 0]) == pytest.approx([0.70710578, -0.70710578], rel=1e-6)
+    assert losses.group_advantages([2, 2, 2], "grpo") == [0.0, 0.0, 0.0]
+    assert losses.group_advantages([3, 1], "dr_grpo") == [1.0, -1.0]
+    assert losses.group_advantages([3, 1], "dapo") == losses.group_advantages([3, 1], "grpo")
+
+
+def test_token_weights_hand_computed():
+    lengths = [2, 4]
+    assert losses.sequence_token_weights(lengths, "sequence_mean") == pytest.approx([1 / 4, 1 / 8])
+    assert losses.sequence_token_weights(lengths, "token_mean") == pytest.approx([1 / 6, 1 / 6])
+    assert losses.sequence_token_weights(lengths, "global_constant") == pytest.approx([1 / 8, 1 / 8])
+    assert losses.sequence_token_weights(lengths, "global_constant", normaliser_length=10) == pytest.approx([1 / 20] * 2)
+
+
+def test_clipped_surrogate_and_k3_hand_computed():
+    lp = torch.log(torch.tensor([0.6, 0.2, 0.55, 0.5]))
+    old = torch.log(torch.tensor([0.4, 0.4, 0.5, 0.5]))   # ratios 1.5, 0.5, 1.1, 1.0
+    adv = torch.tensor([1.0, -1.0, 1.0, -2.0])
+    loss, clipped = losses.clipped_surrogate_loss(lp, old, adv, 0.2, 0.28)
+    # -min(1.5·1, 1.28·1) = -1.28 ; -min(0.5·-1, 0.8·-1) = 0.8 ; -1.1 ; -(1·-2) = 2
+    assert loss.tolist() == pytest.approx([-1.28, 0.8, -1.1, 2.0], rel=1e-5)
+    assert clipped.tolist() == [True, True, False, False]
+    kl = losses.k3_kl(torch.log(torch.tensor([0.5])), torch.log(torch.tensor([0.25])))
+    assert float(kl) == pytest.approx(0.5 - math.log(0.5) - 1, rel=1e-6)  # 0.193147
+
+
+@pytest.mark.parametrize("name", ["dr_grpo", "grpo", "dapo"])
+def test_objective_loss_equals_equation_on_random_inputs(name):
+    """Padded 2-D batch, computed from the paper equations with explicit loops, vs the flat
+    weighted sum the trainer uses (also split into two micro-batches)."""
+    generator = torch.Generator().manual_seed(7)
+    objective = losses.OBJECTIVES[name]
+    lengths = [5, 2, 7, 3]
+    width = max(lengths)
+    n = len(lengths)
+    lp = -torch.rand(n, width, generator=generator, dtype=torch.float64) * 3
+    old = lp + 0.4 * torch.randn(n, width, generator=generator, dtype=torch.float64)
+    ref = lp + 0.3 * torch.randn(n, width, generator=generator, dtype=torch.float64)
+    rewards = torch.rand(n, generator=generator, dtype=torch.float64).tolist()
+    adv = losses.group_advantages(rewards, name)
+    beta = 0.05
+    mask = torch.tensor([[t < length for t in range(width)] for length in lengths])
+
+    def token_term(i, t):
+        k = math.exp(lp[i, t] - old[i, t])
+        low, high = objective.clip_low, objective.clip_high
+        surrogate = min(k * adv[i], min(max(k, 1 - low), 1 + high) * adv[i])
+        delta = ref[i, t] - lp[i, t]
+        kl = math.exp(delta) - delta - 1
+        return -(surrogate - beta * kl)  # loss = −objective
+
+    if name == "grpo":      # (1/G) Σ_i (1/|y_i|) Σ_t
+        expected = sum(sum(token_term(i, t) for t in range(lengths[i])) / lengths[i] for i in range(n)) / n
+    elif name == "dapo":    # Σ_i Σ_t / Σ_i |y_i|
+        expected = sum(token_term(i, t) for i in range(n) for t in range(lengths[i])) / sum(lengths)
+    else:                   # Dr. GRPO: Σ_i Σ_t / (N · L_max)
+        expected = sum(token_term(i, t) for i in range(n) for t in range(lengths[i])) / (n * max(lengths))
+
+    weights = losses.sequence_token_weights(lengths, objective.aggregation)
+    flat = lambda x: x[mask]  # noqa: E731
+    token_adv = torch.tensor([[adv[i]] * width for i in range(n)], dtype=torch.float64)
+    token_w = torch.tensor([[weights[i]] * width for i in range(n)], dtype=torch.float64)
+    total, *_ = losses.objective_loss(flat(lp), flat(old), flat(ref), flat(token_adv), flat(token_w),
+                                      clip_low=objective.clip_low, clip_high=objective.clip_high, beta=beta)
+    assert float(total) == pytest.approx(expected, rel=1e-10)
+    # micro-batches {0, 1} and {2, 3} sum to the same loss (gradient accumulation is exact)
+    parts = 0.0
+    for rows in ([0, 1], [2, 3]):
+        sub = lambda x: x[rows][mask[rows]]  # noqa: E731
+        part, *_ = losses.objective_loss(sub(lp), sub(old), sub(ref), sub(token_adv), sub(token_w),
+                                         clip_low=objective.clip_low, clip_high=objective.clip_high, beta=beta)
+        parts += float(part)
+    assert parts == pytest.approx(expected, rel=1e-10)
+
+
+def test_micro_batch_plan_respects_token_budget():
+    from sptool.train.step import plan_micro_batches
+
+    lengths = [10, 3, 7, 7, 2, 30]
+    plan = plan_micro_batches(lengths, 16)
+    assert sorted(i for batch in plan for i in batch) == list(range(6))
+    for batch in plan:
+        assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) <= 16
+    assert plan[0] == [5]  # longer than the budget: alone
+
+
+# ------------------------------------------------------------------------------ the update
+
+
+def test_direction_rewarded_up_penalised_down_and_zero_advantage_noop(random_model_dir):
+    trainer = make_trainer(random_model_dir, learning_rate=1e-3, loss="dr_grpo", weight_decay=0.1)
+    prompt = [{"role": "user", "content": "Answer yes or no."}]
+    before_good = sequence_logprob(trainer, prompt, "yes indeed")
+    before_bad = sequence_logprob(trainer, prompt, "no way")
+    metrics = trainer.update([{"prompt": prompt, "completions": ["yes indeed", "no way"], "rewards": [1.0, 0.0]}])
+    after_good = sequence_logprob(trainer, prompt, "yes indeed")
+    after_bad = sequence_logprob(trainer, prompt, "no way")
+    assert after_good > before_good + 1e-3
+    assert after_bad < before_bad - 1e-3
+    assert metrics["step"] == 1 and not metrics["skipped"] and metrics["clip_fraction"] == 0.0
+    assert metrics["ratio_mean"] == pytest.approx(1.0)
+
+    # a group whose rewards are all equal has zero advantage: nothing changes (not even weight decay)
+    snapshot = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    metrics = trainer.update([{"prompt": prompt, "completions": ["yes", "no"], "rewards": [0.5, 0.5]}])
+    assert metrics["skipped"] is True and metrics["step"] == 2
+    assert all(torch.equal(snapshot[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_old_logprobs_equal_to_current_give_the_ratio_one_update(random_model_dir):
+    """Clipped surrogate with π_old = π_θ is the plain policy gradient; an off-policy π_old changes it."""
+    base = make_trainer(random_model_dir, learning_rate=1e-3, loss="grpo")
+    sequences = base.encode_group(GROUPS[0])
+    current = []
+    with torch.no_grad():
+        for seq in sequences:
+            ids = torch.tensor([seq.prompt_ids + seq.completion_ids])
+            logits = base.model(input_ids=ids).logits[0, len(seq.prompt_ids) - 1:-1].float()
+            current.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq.completion_ids)[:, None])
+                           .squeeze(-1).tolist())
+    base.update([GROUPS[0]])
+    same = make_trainer(random_model_dir, learning_rate=1e-3, loss="grpo")
+    metrics = same.update([{**GROUPS[0], "old_logprobs": current}])
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["old_logprob_mismatches"] == 0
+    diff = max(float((a - b).abs().max()) for a, b in zip(base.model.parameters(), same.model.parameters()))
+    assert diff < 1e-6
+    shifted = make_trainer(random_model_dir, learning_rate=1e-3, loss="grpo")
+    far = [[x - 1.0 for x in row] for row in current]  # ratio e ≈ 2.7: clipped for positive advantages
+    metrics = shifted.update([{**GROUPS[0], "old_logprobs": far}])
+    assert metrics["clip_fraction"] > 0.2 and metrics["ratio_mean"] == pytest.approx(math.e, rel=1e-3)
+
+
+def test_kl_to_reference_is_zero_at_start_then_positive(random_model_dir):
+    trainer = make_trainer(random_model_dir, learning_rate=1e-2, beta=0.1)
+    first = trainer.update(GROUPS[:2])
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
+    second = trainer.update(GROUPS[:2])
+    assert second["kl"] > 1e-6
+    assert trainer.checkpoint_state()["reference_model"] == os.path.abspath(random_model_dir)
+
+
+def test_two_invocations_equal_one_invocation_with_two_updates(cli, random_model_dir, tmp_path):
+    g1, g2 = write_jsonl(tmp_path / "g1.jsonl", GROUPS[:2]), write_jsonl(tmp_path / "g2.jsonl", GROUPS[2:])
+    both = write_jsonl(tmp_path / "both.jsonl", GROUPS)
+    common = ["--lr", "1e-3", "--loss", "dapo", "-q"]
+    # two invocations: G1 then G2
+    assert cli(["train-step", g1, "-m", random_model_dir, "-o", tmp_path / "s1", *common]).exit_code == 0
+    assert cli(["train-step", g2, "-m", tmp_path / "s1", "-o", tmp_path / "s2", *common]).exit_code == 0
+    # one invocation, two updates (2 groups each)
+    result = cli(["train-step", both, "-m", random_model_dir, "-o", tmp_path / "one", "--groups-per-update", "2",
+                  "--metrics", tmp_path / "m.jsonl", *common])
+    assert result.exit_code == 0, result.output
+    assert [m["step"] for m in read_jsonl(tmp_path / "m.jsonl")] == [1, 2]
+    assert max_abs_diff(weights_of(tmp_path / "s2"), weights_of(tmp_path / "one")) < 1e-6
+    state = json.loads((tmp_path / "s2" / "sptool_state" / "state.json").read_text())
+    assert state["step"] == 2 and state["roles"] == ["questioner", "solver"] and state["config"]["loss"] == "dapo"
+    # the optimizer state really matters: without it the second step differs
+    shutil.copytree(tmp_path / "s1", tmp_path / "s1-fresh")
+    (tmp_path / "s1-fresh" / "sptool_state" / "optimizer.pt").unlink()
+    assert cli(["train-step", g2, "-m", tmp_path / "s1-fresh", "-o", tmp_path / "s2-fresh", *common]).exit_code == 0
+    assert max_abs_diff(weights_of(tmp_path / "s2"), weights_of(tmp_path / "s2-fresh")) > 1e-4
+
+
+def test_accelerate_two_processes_equal_one_process(cli, random_model_dir, tmp_path):
+    launcher = shutil.which("accelerate") or str(Path(sys.executable).parent / "accelerate")
+    if not os.path.exists(launcher):
+        pytest.skip("accelerate launch is not installed")
+    groups = write_jsonl(tmp_path / "groups.jsonl", GROUPS)
+    options = ["--lr", "1e-3", "--max-tokens-per-micro-batch", "48", "-q"]
+    result = cli(["train-step", groups, "-m", random_model_dir, "-o", tmp_path / "single",
+                  "--metrics", tmp_path / "single.jsonl", *options])
+    assert result.exit_code == 0, result.output
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([launcher, "launch", "--num_processes", "2", "--cpu", "--num_machines", "1",
+                          "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "sptool.cli.main",
+                          "train-step", str(groups), "-m", random_model_dir, "-o", str(tmp_path / "dual"),
+                          "--metrics", str(tmp_path / "dual.jsonl"), *options],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    single, dual = read_jsonl(tmp_path / "single.jsonl")[0], read_jsonl(tmp_path / "dual.jsonl")
+    assert len(dual) == 1 and dual[0]["world_size"] == 2 and single["world_size"] == 1
+    assert dual[0]["loss"] == pytest.approx(single["loss"], rel=1e-5)
+    assert dual[0]["completion_tokens"] == single["completion_tokens"]
+    assert dual[0]["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
+    base = weights_of(random_model_dir)
+    delta = max_abs_diff(weights_of(tmp_path / "single"), base)
+    assert delta > 1e-4  # the update did something
+    assert max_abs_diff(weights_of(tmp_path / "dual"), weights_of(tmp_path / "single")) < 2e-5
+
+
+def test_lora_adapter_is_written_resumed_and_loadable_by_solve(cli, random_model_dir, tmp_path):
+    groups = write_jsonl(tmp_path / "groups.jsonl", GROUPS[:2])
+    result = cli(["train-step", groups, "-m", random_model_dir, "-o", tmp_path / "lora1", "--lora-r", "4",
+                  "--lora-target-modules", "q_proj,v_proj", "--lr", "1e-2", "-q"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "lora1" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    assert config["base_model_name_or_path"] == os.path.abspath(random_model_dir)
+    assert not (tmp_path / "lora1" / "model.safetensors").exists()
+    assert cli(["train-step", groups, "-m", tmp_path / "lora1", "-o", tmp_path / "lora2", "--lr", "1e-2", "-q",
+                "--beta", "0.05"]).exit_code == 0
+    state = json.loads((tmp_path / "lora2" / "sptool_state" / "state.json").read_text())
+    assert state["step"] == 2 and state["trainable"] == "lora"
+    adapter1, adapter2 = weights_of(tmp_path / "lora1"), weights_of(tmp_path / "lora2")
+    assert max_abs_diff(adapter1, adapter2) > 1e-4
+    # the hf backend (solve) loads the adapter directory and generates
+    from sptool.models.base import SamplingParams, load_backend
+
+    backend = load_backend("hf", str(tmp_path / "lora2"), device="cpu")
+    out = backend.generate(["Hello"], 1, SamplingParams(temperature=0, max_new_tokens=4))
+    assert out[0][0].n_tokens >= 1
+
+
+def test_crash_during_save_leaves_input_intact_and_no_output(cli, sptool, random_model_dir, tmp_path):
+    groups = write_jsonl(tmp_path / "groups.jsonl", GROUPS[:2])
+    assert cli(["train-step", groups, "-m", random_model_dir, "-o", tmp_path / "in", "-q", "--lr", "1e-3"]).exit_code == 0
+    before = weights_of(tmp_path / "in")
+    state_before = (tmp_path / "in" / "sptool_state" / "state.json").read_text()
+    # in-process: an exception after the weights were staged
+    os.environ["SPTOOL_TEST_CRASH_DURING_SAVE"] = "1"
+    try:
+        with pytest.raises(RuntimeError, match="injected crash"):
+            cli(["train-step", groups, "-m", tmp_path / "in", "-o", tmp_path / "out", "-q", "--lr", "1e-3"])
+        with pytest.raises(RuntimeError, match="injected crash"):  # --output == --model: swapped only at the end
+            cli(["train-step", groups, "-m", tmp_path / "in", "-o", tmp_path / "in", "-q", "--lr", "1e-3"])
+    finally:
+        del os.environ["SPTOOL_TEST_CRASH_DURING_SAVE"]
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # staging cleaned up
+    # a hard kill (no cleanup runs) mid-save, as a real process
+    killed = sptool("train-step", str(groups), "-m", str(tmp_path / "in"), "-o", str(tmp_path / "in"), "-q",
+                    env={"SPTOOL_TEST_CRASH_DURING_SAVE": "kill"})
+    assert killed.returncode == 137
+    assert not (tmp_path / "out").exists()
+    assert max_abs_diff(weights_of(tmp_path / "in"), before) == 0.0
+    assert (tmp_path / "in" / "sptool_state" / "state.json").read_text() == state_before
+    trainer = make_trainer(str(tmp_path / "in"))  # still loadable, optimizer state included
+    assert trainer.step == 1
+
+
+# ------------------------------------------------------------------------------ CLI contract
+
+
+def test_help_lists_the_options(cli):
+    result = cli(["train-step", "--help"])
+    assert result.exit_code == 0
+    for option in ("--model", "--output", "--loss", "--beta", "--learning-rate", "--lora-r", "--roles",
+                   "--max-tokens-per-micro-batch", "--groups-per-update", "--metrics"):
+        assert option in result.output
+
+
+def test_empty_input_writes_unchanged_checkpoint(cli, random_model_dir, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    result = cli(["train-step", empty, "-m", random_model_dir, "-o", tmp_path / "out"])
+    assert result.exit_code == 0
+    assert "no training groups" in result.stderr
+    assert max_abs_diff(weights_of(tmp_path / "out"), weights_of(random_model_dir)) == 0.0
+
+
+def test_bad_line_exits_2_with_location(sptool, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(GROUPS[0]) + "\n" + json.dumps({**GROUPS[1], "rewards": [1.0]}) + "\n")
+    result = sptool("train-step", str(bad), "-m", "tiny", "-o", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert f"{bad}:2: field 'rewards': expected 3 entries" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_roles_select_groups_and_output_must_not_clobber_user_dirs(cli, random_model_dir, tmp_path):
+    groups = write_jsonl(tmp_path / "groups.jsonl", GROUPS)
+    result = cli(["train-step", groups, "-m", random_model_dir, "-o", tmp_path / "out", "--roles", "questioner",
+                  "--metrics", tmp_path / "m.jsonl", "--lr", "1e-3"])
+    assert result.exit_code == 0, result.output
+    metrics = read_jsonl(tmp_path / "m.jsonl")[0]
+    assert list(metrics["reward_mean"]) == ["questioner"] and metrics["completions"] == 2
+    assert "3 skipped (role)" in result.stderr
+    assert json.loads((tmp_path / "out" / "sptool_state" / "state.json").read_text())["roles"] == ["questioner"]
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep")
+    result = cli(["train-step", groups, "-m", random_model_dir, "-o", precious])
+    assert result.exit_code == 2 and (precious / "notes.txt").exists()
+
+
+# ------------------------------------------------------------------------------ real tiny model
+
+
+@pytest.mark.slow
+def test_real_tiny_model_reward_rises(tiny_model_dir, tmp_path):
+    """Sample with the hf backend, reward completions that contain an exclamation mark, train a
+    LoRA adapter for a few updates on those groups, re-sample: the mean reward goes up."""
+    from sptool.models.base import SamplingParams, load_backend
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    prompts = [[{"role": "user", "content": text}] for text in
+               ("Say hello to me.", "Tell me about the sea.", "Greet a friend.", "Describe the sun.")]
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=1, logprobs=True)
+
+    def reward(text: str) -> float:
+        return 1.0 if "!" in text else 0.0
+
+    def sample(model_dir: str):
+        backend = load_backend("hf", model_dir, device="cpu", batch_size=32)
+        outputs = backend.generate(prompts, 6, params)
+        backend.close()
+        return outputs
+
+    before = sample(tiny_model_dir)
+    mean_before = sum(reward(s.text) for row in before for s in row) / 24
+    groups = [{"prompt": p, "role": "solver", "completions": [s.text for s in row],
+               "rewards": [reward(s.text) for s in row], "old_logprobs": [s.logprobs for s in row],
+               "finish_reasons": [s.finish_reason for s in row]} for p, row in zip(prompts, before)]
+    trainer = PolicyTrainer(TrainConfig(model=tiny_model_dir, lora_r=8, learning_rate=2e-3, loss="dr_grpo"))
+    history = [trainer.update(groups) for _ in range(4)]
+    # the sampler's log-probs line up with the trainer's tokens (same prompt rendering): ratio ≈ 1
+    assert history[0]["old_logprob_mismatches"] == 0
+    assert history[0]["ratio_mean"] == pytest.approx(1.0, abs=0.02)
+    trainer.save(tmp_path / "trained")
+    after = sample(str(tmp_path / "trained"))
+    mean_after = sum(reward(s.text) for row in after for s in row) / 24
+    print(f"\nreal tiny model: mean reward {mean_before:.3f} -> {mean_after:.3f}; "
+          f"losses {[round(m['loss'], 4) for m in history]}")
+    assert mean_after > mean_before + 0.1
