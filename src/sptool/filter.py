@@ -185,7 +185,7 @@ def contiguous_groups(records: Iterable[dict], key: Callable[[dict], Any]) -> It
             run = []
         if k is not None and k in closed:
             raise InputError(f"records of group {k!r} are not contiguous; sort the input by group_id",
-                             field="group_id")
+                             field="group_id", source=f"record {record.get('id')}")
         run.append(record)
         current = k
     if run:
@@ -273,7 +273,7 @@ class FilterStage(Stage):
         if any(p != prompts[0] for p in prompts[1:]):
             raise InputError(f"the {role} outputs of group {members[0].get('group_id')!r} come "
                              "from different prompts; give each prompt its own group_id",
-                             field="group_id")
+                             field="group_id", source=f"record {members[0].get('id')}")
         logprobs = ([m["logprobs"] for m in members]
                     if all(isinstance(m.get("logprobs"), list) for m in members) else None)
         return self.group(role, prompts[0], [m["raw"] for m in members], rewards, sources=members,
