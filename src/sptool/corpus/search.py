@@ -230,7 +230,8 @@ class LocalSearch:
         self.path = Path(path)
         if not self.path.exists():
             raise InputError("no such local corpus (folder of .html/.txt files or a JSONL file)",
-                             source=str(path))
+                             source=f"local:{path}",
+                             hint="choose --search local:PATH, searxng, wikipedia or brave")
         self.entries = self._load()
         self._tokens = [tokenize(e.title + " " + e.title + " " + _visible_text(e)) for e in self.entries]
 
