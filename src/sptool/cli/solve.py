@@ -35,6 +35,11 @@ def solve(
                                          help="cpu, cuda, cuda:1 … (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, bf16, fp16, fp32."),
     logprobs: bool = typer.Option(False, "--logprobs", help="Store per-token log-probabilities."),
+    base_url: Optional[str] = typer.Option(None, "--base-url", envvar="SPTOOL_BASE_URL",
+                                           help="OpenAI-compatible server(s) for --backend openai, "
+                                                "comma-separated (round-robin)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size",
+                                             help="GPUs per model for --backend vllm."),
     quiet: bool = common.QuietOpt,
     skip_invalid: bool = common.SkipInvalidOpt,
     rejects: Optional[str] = common.RejectsOpt,
@@ -47,7 +52,8 @@ def solve(
                             seed=seed, logprobs=logprobs)
     log = None if quiet else (lambda message: common.err_console.print(message, markup=False))
     engine = load_backend(backend, model, device=device, dtype=dtype, batch_size=gen_batch_size,
-                          chat_template=not no_chat_template, log=log)
+                          chat_template=not no_chat_template, log=log, base_url=base_url,
+                          tensor_parallel_size=tensor_parallel_size)
     stage = SolveStage(engine, samples=samples, mode=mode, params=params, prompt=prompt,
                        batch_size=batch_size)
     common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,

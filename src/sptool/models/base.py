@@ -72,6 +72,8 @@ class Backend(Protocol):
 BACKENDS: dict[str, str] = {
     "hf": "sptool.models.hf:HFBackend",
     "scripted": "sptool.models.scripted:ScriptedBackend",
+    "vllm": "sptool.models.vllm_backend:VLLMBackend",
+    "openai": "sptool.models.openai_backend:OpenAIBackend",
 }
 
 

@@ -1,0 +1,290 @@
+"""The ``openai`` backend: any OpenAI-compatible completions server (``vllm serve``, SGLang).
+
+Prompts are rendered locally with the model's own chat template (:func:`sptool.models.hf.
+render_prompt`, the same function and tokenizer as the ``hf`` and ``vllm`` backends), so all three
+backends send byte-identical prompt text; the text goes to ``/v1/completions``. When the model's
+tokenizer is not available locally (a hub id only the server has), the chat messages go to
+``/v1/chat/completions`` instead and the server applies its template.
+
+Scale-out: several base URLs (``--base-url URL1,URL2`` or ``SPTOOL_BASE_URL``) share the prompts
+round-robin, with a bounded number of requests in flight (threads). Each request asks for the
+``n`` samples of one prompt. Connection failures, 429 and 5xx answers are retried with
+exponential backoff; a server that stays down or a model it does not serve becomes one
+:class:`RuntimeFailure` line. Only the standard library is used (``urllib``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from sptool.models.base import Prompt, Sample, SamplingParams
+from sptool.records import RuntimeFailure, UsageError
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
+RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+def parse_base_urls(base_url: str | list[str] | None) -> list[str]:
+    """Base URLs from the option, else ``$SPTOOL_BASE_URL``, else the local default.
+
+    Comma-separated; a URL without a path gets ``/v1`` (``http://host:8000`` →
+    ``http://host:8000/v1``); a trailing slash is dropped.
+    """
+    if base_url is None or base_url == "" or base_url == []:
+        base_url = os.environ.get("SPTOOL_BASE_URL") or DEFAULT_BASE_URL
+    parts = base_url if isinstance(base_url, list) else base_url.split(",")
+    urls = []
+    for part in parts:
+        part = part.strip().rstrip("/")
+        if not part:
+            continue
+        parsed = urllib.parse.urlparse(part)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise UsageError(f"--base-url '{part}' is not an http(s) URL (example: {DEFAULT_BASE_URL})")
+        if parsed.path in ("", "/"):
+            part += "/v1"
+        urls.append(part)
+    if not urls:
+        raise UsageError("--base-url is empty")
+    return urls
+
+
+class HTTPFailure(Exception):
+    """A request that failed after its retries (carries a one-line reason)."""
+
+
+class OpenAIBackend:
+    """Generation through one or more OpenAI-compatible HTTP servers."""
+
+    name = "openai"
+
+    def __init__(self, model: str = "tiny", *, base_url: str | list[str] | None = None,
+                 chat_template: bool = True, concurrency: int | None = None,
+                 timeout: float | None = None, retries: int | None = None, backoff_s: float = 0.5, api_key: str | None = None,
+                 served_model: str | None = None, log=None, **_: Any):
+        self.model_id = model
+        self.base_urls = parse_base_urls(base_url)
+        self.chat_template = chat_template
+        # defaults, overridable from the environment (SPTOOL_OPENAI_CONCURRENCY, …_TIMEOUT, …_RETRIES)
+        self.concurrency = max(1, int(_env_default(concurrency, "SPTOOL_OPENAI_CONCURRENCY", 8)))
+        self.timeout = float(_env_default(timeout, "SPTOOL_OPENAI_TIMEOUT", 600.0))
+        self.retries = max(0, int(_env_default(retries, "SPTOOL_OPENAI_RETRIES", 3)))
+        self.backoff_s = backoff_s
+        self.api_key = api_key or os.environ.get("SPTOOL_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        self.log = log
+        self._round_robin = 0
+        self._lock = threading.Lock()
+        self.tokenizer, self.local_path = self._local_tokenizer(model)
+        self.served_model = served_model or self._pick_served_model(model)
+        self.eos_ids = self._eos_ids()
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def _local_tokenizer(self, model: str):
+        """The model's tokenizer when it is available locally (else the chat endpoint is used)."""
+        from sptool.models.hf import load_tokenizer
+        from sptool.models.resolve import resolve_model
+
+        try:
+            path = resolve_model(model, log=self.log)
+        except RuntimeFailure:
+            return None, None
+        try:
+            return load_tokenizer(path), path
+        except Exception:  # noqa: BLE001 - a hub id not in the local cache: the server renders
+            if self.log:
+                self.log(f"openai backend: no local tokenizer for '{model}'; "
+                         "using /chat/completions (the server applies its chat template)")
+            return None, None
+
+    def _pick_served_model(self, model: str) -> str:
+        """Match ``model`` (or its resolved local path) against each server's ``/models``."""
+        chosen = None
+        for base in self.base_urls:
+            answer = self._request(base, "GET", "/models", None, retries=self.retries)
+            served = [entry.get("id") for entry in answer.get("data", []) if isinstance(entry, dict)]
+            candidates = [model]
+            if self.local_path:
+                candidates += [self.local_path, os.path.abspath(self.local_path),
+                               os.path.basename(self.local_path.rstrip("/"))]
+            match = next((name for name in candidates if name in served), None)
+            if match is None:
+                raise RuntimeFailure(
+                    f"the server at {base} does not serve model '{model}'; it serves: "
+                    f"{', '.join(map(str, served)) or '(none)'} (pass one of these with -m/--model)")
+            if chosen is not None and match != chosen:
+                raise RuntimeFailure(f"servers disagree on the model name: '{chosen}' vs '{match}' at {base}")
+            chosen = match
+        return chosen
+
+    def _eos_ids(self) -> list[int]:
+        """The same end-of-sequence ids the hf backend stops on (generation config + tokenizer)."""
+        if self.tokenizer is None:
+            return []
+        ids: list[int] = []
+        try:
+            from transformers import GenerationConfig
+
+            value = GenerationConfig.from_pretrained(self.local_path).eos_token_id
+            ids = list(value) if isinstance(value, (list, tuple)) else [value] if value is not None else []
+        except Exception:  # noqa: BLE001 - no generation_config.json: the tokenizer's EOS only
+            pass
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return ids
+
+    def render(self, prompt: Prompt) -> str:
+        from sptool.models.hf import render_prompt
+
+        return render_prompt(self.tokenizer, prompt, self.chat_template)
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    def _next_base(self) -> str:
+        with self._lock:
+            base = self.base_urls[self._round_robin % len(self.base_urls)]
+            self._round_robin += 1
+        return base
+
+    def _request(self, base: str, method: str, path: str, body: dict | None, *, retries: int) -> dict:
+        url = base + path
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        reason = "no attempt"
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            request = urllib.request.Request(url, data=data, headers=headers, method=method)
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return json.loads(response.read().decode("utf-8"))
+            except urllib.error.HTTPError as exc:
+                detail = _error_detail(exc)
+                reason = f"HTTP {exc.code}{': ' + detail if detail else ''}"
+                if exc.code not in RETRYABLE_STATUS:
+                    if exc.code == 404 and "model" in detail.lower():
+                        raise RuntimeFailure(f"the server at {base} does not serve model "
+                                             f"'{self.model_id}': {detail}") from None
+                    raise RuntimeFailure(f"{method} {url} failed: {reason}") from None
+            except urllib.error.URLError as exc:
+                reason = str(getattr(exc, "reason", exc))
+            except (socket.timeout, TimeoutError):
+                reason = f"no answer within {self.timeout:g}s"
+            except (ConnectionError, OSError) as exc:
+                reason = str(exc) or type(exc).__name__
+            except json.JSONDecodeError:
+                raise RuntimeFailure(f"{method} {url}: the server's answer is not JSON "
+                                     "(is this an OpenAI-compatible endpoint?)") from None
+        raise RuntimeFailure(f"cannot reach the OpenAI-compatible server at {base} "
+                             f"({reason}; {retries + 1} attempts)")
+
+    # -- generation --------------------------------------------------------------------------
+
+    def _body(self, prompt: Prompt, n: int, params: SamplingParams, seed: int) -> tuple[str, dict]:
+        body: dict[str, Any] = {
+            "model": self.served_model, "n": n, "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature, "top_p": params.top_p if params.temperature > 0 else 1.0,
+            "seed": seed,
+        }
+        if self.tokenizer is None:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            body["messages"] = messages
+            if params.logprobs:
+                body["logprobs"] = True
+            return "/chat/completions", body
+        body["prompt"] = self.render(prompt)
+        # vLLM/SGLang extensions, so stopping and counting match the hf backend exactly: stop on
+        # the same EOS ids, no BOS added to the rendered text, output token ids returned.
+        body.update(stop_token_ids=self.eos_ids, add_special_tokens=False, return_token_ids=True,
+                    skip_special_tokens=True, top_k=-1 if params.temperature > 0 else None)
+        if body["top_k"] is None:
+            body.pop("top_k")
+        if params.logprobs:
+            body["logprobs"] = 0  # only the sampled token's log-probability
+        return "/completions", body
+
+    def _one(self, index: int, prompt: Prompt, n: int, params: SamplingParams) -> list[Sample]:
+        path, body = self._body(prompt, n, params, seed=params.seed * 1_000_003 + index)
+        answer = self._request(self._next_base(), "POST", path, body, retries=self.retries)
+        choices = sorted(answer.get("choices", []), key=lambda choice: choice.get("index", 0))
+        if len(choices) != n:
+            raise RuntimeFailure(f"the server returned {len(choices)} choices for n={n}")
+        return [self._sample(choice, params) for choice in choices]
+
+    def _sample(self, choice: dict, params: SamplingParams) -> Sample:
+        if "message" in choice:  # chat endpoint
+            text = (choice.get("message") or {}).get("content") or ""
+            logprobs = None
+            content = (choice.get("logprobs") or {}).get("content")
+            if params.logprobs and content:
+                logprobs = [float(entry["logprob"]) for entry in content]
+        else:
+            text = choice.get("text") or ""
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+            logprobs = [float(value) for value in logprobs] if params.logprobs and logprobs else None
+        token_ids = choice.get("token_ids")
+        if token_ids is not None:
+            n_tokens = len(token_ids)
+        elif logprobs is not None:
+            n_tokens = len(logprobs)
+        elif self.tokenizer is not None:
+            n_tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            n_tokens += choice.get("finish_reason") == "stop"  # the EOS token
+        else:
+            n_tokens = max(1, len(text.split()))
+        finish = "length" if choice.get("finish_reason") == "length" else "stop"
+        return Sample(text=text, n_tokens=n_tokens, finish_reason=finish, logprobs=logprobs,
+                      token_ids=token_ids)
+
+    def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
+        if not prompts:
+            return []
+        workers = min(self.concurrency, len(prompts))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sptool-openai") as pool:
+            futures = [pool.submit(self._one, index, prompt, n, params)
+                       for index, prompt in enumerate(prompts)]
+            try:
+                return [future.result() for future in futures]
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+
+    def close(self) -> None:
+        pass
+
+
+def _env_default(value, variable: str, default: float):
+    if value is not None:
+        return value
+    raw = os.environ.get(variable)
+    if raw in (None, ""):
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise UsageError(f"{variable}={raw!r} is not a number") from None
+
+
+def _error_detail(exc: urllib.error.HTTPError) -> str:
+    """The server's error message in one line (OpenAI shape ``{"error": {"message": …}}``)."""
+    try:
+        payload = json.loads(exc.read().decode("utf-8", "replace"))
+    except Exception:  # noqa: BLE001
+        return ""
+    error = payload.get("error", payload) if isinstance(payload, dict) else payload
+    message = error.get("message") if isinstance(error, dict) else error
+    if message is None and isinstance(payload, dict):
+        message = payload.get("detail") or payload.get("message")
+    return " ".join(str(message).split())[:300] if message else ""
