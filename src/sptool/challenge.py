@@ -132,6 +132,38 @@ def _balanced_objects(text: str) -> Iterator[str]:
         start = text.find("{", start + 1)
 
 
+_LATEX_BACKSLASH = re.compile(r'(?<!\\)\\(?=[A-Za-z]{2,}|[^\\/"bfnrtu])')
+
+
+def _strings_in(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings_in(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings_in(item)
+
+
+def _loads_latex_tolerant(span: str) -> Any:
+    """``json.loads`` that survives LaTeX written with single backslashes (``\\frac``, ``\\sqrt``).
+
+    Strict JSON first; when that fails, or silently turns ``\\frac``/``\\boxed`` into a form
+    feed/backspace, retry with the backslash of every LaTeX command doubled.
+    """
+    try:
+        value = json.loads(span)
+        if not any(char in text for text in _strings_in(value) for char in "\f\b"):
+            return value
+    except json.JSONDecodeError:
+        pass
+    try:
+        return json.loads(_LATEX_BACKSLASH.sub(r"\\\\", span))
+    except json.JSONDecodeError:
+        return None
+
+
 def parse_challenger_json(text: str) -> tuple[dict | None, str | None]:
     """The first JSON object in a Challenger completion that has a ``question`` key.
 
@@ -140,13 +172,9 @@ def parse_challenger_json(text: str) -> tuple[dict | None, str | None]:
     """
     saw_object = False
     for span in _balanced_objects(text):
-        try:
-            value = json.loads(span)
-        except json.JSONDecodeError:
-            try:  # models often escape LaTeX badly: retry with backslashes doubled
-                value = json.loads(span.replace("\\", "\\\\"))
-            except json.JSONDecodeError:
-                continue
+        value = _loads_latex_tolerant(span)
+        if value is None:
+            continue
         if isinstance(value, dict):
             saw_object = True
             if "question" in value:
@@ -341,7 +369,6 @@ class DocumentChallengeStage(_GeneratingStage):
 
 # ---------------------------------------------------------------- --from nothing (R-Zero/R-Quest)
 
-TOPIC = RecordKind("topic", ())
 
 
 def topic_of(record: dict) -> str:
@@ -354,6 +381,16 @@ def topic_of(record: dict) -> str:
         return " > ".join(labels)
     raise InputError("missing, expected a string naming the topic (or 'leaf', or 'labels')",
                      field="topic")
+
+
+class _TopicKind(RecordKind):
+    def validate(self, record: Any) -> dict:
+        record = super().validate(record)
+        topic_of(record)
+        return record
+
+
+TOPIC = _TopicKind("topic", ())
 
 
 class NothingChallengeStage(_GeneratingStage):
