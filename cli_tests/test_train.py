@@ -137,11 +137,13 @@ def test_objective_loss_equals_equation_on_random_inputs(name):
     beta = 0.05
     mask = torch.tensor([[t < length for t in range(width)] for length in lengths])
 
+    lp_, old_, ref_ = lp.tolist(), old.tolist(), ref.tolist()
+
     def token_term(i, t):
-        k = math.exp(lp[i, t] - old[i, t])
+        k = math.exp(lp_[i][t] - old_[i][t])
         low, high = objective.clip_low, objective.clip_high
         surrogate = min(k * adv[i], min(max(k, 1 - low), 1 + high) * adv[i])
-        delta = ref[i, t] - lp[i, t]
+        delta = ref_[i][t] - lp_[i][t]
         kl = math.exp(delta) - delta - 1
         return -(surrogate - beta * kl)  # loss = −objective
 
@@ -219,8 +221,8 @@ def test_old_logprobs_equal_to_current_give_the_ratio_one_update(random_model_di
     metrics = same.update([{**GROUPS[0], "old_logprobs": current}])
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert metrics["old_logprob_mismatches"] == 0
-    diff = max(float((a - b).abs().max()) for a, b in zip(base.model.parameters(), same.model.parameters()))
-    assert diff < 1e-6
+    diff = max(float((a - b).detach().abs().max()) for a, b in zip(base.model.parameters(), same.model.parameters()))
+    assert diff < 1e-5  # 1% of the learning rate (Adam's first step moves each weight by ≈ lr)
     shifted = make_trainer(random_model_dir, learning_rate=1e-3, loss="grpo")
     far = [[x - 1.0 for x in row] for row in current]  # ratio e ≈ 2.7: clipped for positive advantages
     metrics = shifted.update([{**GROUPS[0], "old_logprobs": far}])
@@ -267,8 +269,10 @@ def test_accelerate_two_processes_equal_one_process(cli, random_model_dir, tmp_p
     result = cli(["train-step", groups, "-m", random_model_dir, "-o", tmp_path / "single",
                   "--metrics", tmp_path / "single.jsonl", *options])
     assert result.exit_code == 0, result.output
+    # `accelerate launch --cpu` ignores --num_processes (one process, no MPI): --multi_gpu starts
+    # torchrun-style workers, and sptool's Accelerator(cpu=True) picks gloo on this CPU machine.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([launcher, "launch", "--num_processes", "2", "--cpu", "--num_machines", "1",
+    run = subprocess.run([launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "sptool.cli.main",
                           "train-step", str(groups), "-m", random_model_dir, "-o", str(tmp_path / "dual"),
                           "--metrics", str(tmp_path / "dual.jsonl"), *options],

@@ -1,0 +1,177 @@
+"""Benchmark: sptool's train-step update vs a bare torch forward/backward/AdamW over the same batch.
+
+    python benchmarks/train_step.py                          # CPU, small random Llama
+    python benchmarks/train_step.py --device cuda --shape 0.5b   # GPU, ≈0.5B Qwen-like, bf16 autocast
+
+Both paths get the same random-initialised model (copied), the same token batch (random ids:
+``groups × group_size`` sequences of ``prompt_len + completion_len`` tokens, random advantages)
+and the same micro-batch plan (``--max-tokens-per-micro-batch``). The bare path is the minimum
+any trainer must do: forward, a policy-gradient loss −Σ A·log π over completion tokens,
+backward, AdamW step. The sptool path is ``PolicyTrainer.update_sequences`` (Dr. GRPO loss,
+ratio, clipping, entropy and metrics, gradient clipping, accelerate wrapping).
+
+Prints a table with tokens/s (prompt + completion tokens per second of the update), the ratio
+sptool / bare and, on CUDA, model FLOPs utilisation against ``--peak-tflops`` (default 790,
+bf16 dense) using FLOPs/token = 6·N + 12·L·d·T (PaLM appendix B; N = parameters in matmuls,
+L layers, d hidden size, T sequence length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+SHAPES = {
+    # name: (hidden, intermediate, layers, heads, kv_heads, vocab, family)
+    "small": (256, 704, 4, 4, 2, 49152, "llama"),
+    "tiny": (576, 1536, 30, 9, 3, 49152, "llama"),       # SmolLM2-135M's shape
+    "0.5b": (896, 4864, 24, 14, 2, 151936, "qwen2"),     # Qwen2.5-0.5B's shape (≈494M parameters)
+}
+
+
+def build_model(shape: str, seed: int):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    hidden, intermediate, layers, heads, kv_heads, vocab, family = SHAPES[shape]
+    cls = Qwen2Config if family == "qwen2" else LlamaConfig
+    config = cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+                 tie_word_embeddings=True, pad_token_id=0)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32), config
+
+
+def make_batch(args, vocab: int):
+    import random
+
+    from sptool.train.step import TrainSequence
+
+    rng = random.Random(args.seed)
+    sequences = []
+    for _ in range(args.groups):
+        prompt = [rng.randrange(1, vocab) for _ in range(args.prompt_len)]
+        rewards = [float(rng.random() < 0.5) for _ in range(args.group_size)]
+        mean = sum(rewards) / len(rewards)
+        for reward in rewards:
+            completion = [rng.randrange(1, vocab) for _ in range(args.completion_len)]
+            sequences.append(TrainSequence(prompt, completion, reward - mean + rng.uniform(-0.1, 0.1), reward))
+    return sequences
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bare_step(model, optimizer, sequences, plan, device: str, autocast_dtype):
+    import torch
+
+    for micro in plan:
+        batch = [sequences[i] for i in micro]
+        ids = torch.tensor([s.prompt_ids + s.completion_ids for s in batch], device=device)
+        prompt_len = len(batch[0].prompt_ids)
+        adv = torch.tensor([s.advantage for s in batch], device=device)
+        with torch.autocast(device_type="cuda" if device.startswith("cuda") else "cpu",
+                            dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(input_ids=ids, use_cache=False).logits
+        logits = logits[:, prompt_len - 1:-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, prompt_len:, None]).squeeze(-1)
+        loss = -(adv[:, None] * logp).sum() / (len(sequences) * logp.shape[1])
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def flops_per_token(model, config, seq_len: int) -> float:
+    n = sum(p.numel() for p in model.parameters())
+    if not getattr(config, "tie_word_embeddings", False):
+        n -= config.vocab_size * config.hidden_size  # the input embedding is a lookup, not a matmul
+    return 6 * n + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: small on CPU, 0.5b on CUDA")
+    parser.add_argument("--groups", type=int, default=None)
+    parser.add_argument("--group-size", type=int, default=None)
+    parser.add_argument("--prompt-len", type=int, default=None)
+    parser.add_argument("--completion-len", type=int, default=None)
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=790.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    cuda = args.device.startswith("cuda")
+    defaults = dict(shape="0.5b", groups=16, group_size=8, prompt_len=128, completion_len=384,
+                    max_tokens_per_micro_batch=16384) if cuda else \
+        dict(shape="small", groups=2, group_size=4, prompt_len=32, completion_len=64,
+             max_tokens_per_micro_batch=512)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+    import torch
+
+    from sptool.train.step import PolicyTrainer, TrainConfig, plan_micro_batches
+
+    model, config = build_model(args.shape, args.seed)
+    bare_model = copy.deepcopy(model).to(args.device)
+    sequences = make_batch(args, config.vocab_size)
+    plan = plan_micro_batches([s.length for s in sequences], args.max_tokens_per_micro_batch)
+    tokens = sum(s.length for s in sequences)
+    n_params = sum(p.numel() for p in model.parameters())
+    autocast_dtype = torch.bfloat16 if cuda else None
+
+    bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6, weight_decay=0.0)
+    trainer = PolicyTrainer(TrainConfig(model="<benchmark>", learning_rate=1e-6, device=args.device,
+                                        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch),
+                            model=model)
+
+    def timed(step) -> float:
+        step()  # warm-up (allocations, kernels)
+        sync(args.device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        for _ in range(args.repeats):
+            step()
+        sync(args.device)
+        return (time.perf_counter() - start) / args.repeats
+
+    bare_model.train()
+    bare_s = timed(lambda: bare_step(bare_model, bare_optimizer, sequences, plan, args.device, autocast_dtype))
+    bare_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    del bare_model, bare_optimizer
+    if cuda:
+        torch.cuda.empty_cache()
+    sptool_s = timed(lambda: trainer.update_sequences(sequences))
+    sptool_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+
+    seq_len = args.prompt_len + args.completion_len
+    flops = flops_per_token(model, config, seq_len) * tokens
+    print(f"shape {args.shape} ({n_params / 1e6:.1f}M parameters), device {args.device}, "
+          f"batch {len(sequences)} sequences × {seq_len} tokens = {tokens} tokens, "
+          f"{len(plan)} micro-batches of ≤ {args.max_tokens_per_micro_batch} tokens, "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.repeats} timed steps")
+    header = "| path | s/step | tokens/s |" + (" MFU | peak GiB |" if cuda else "")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for name, seconds, peak in (("bare torch fwd/bwd/AdamW", bare_s, bare_peak),
+                                ("sptool train-step", sptool_s, sptool_peak)):
+        row = f"| {name} | {seconds:.3f} | {tokens / seconds:,.0f} |"
+        if cuda:
+            row += f" {flops / seconds / (args.peak_tflops * 1e12):.1%} | {peak:.1f} |"
+        print(row)
+    print(f"ratio sptool / bare tokens/s: {bare_s / sptool_s:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
