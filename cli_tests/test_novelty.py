@@ -1,0 +1,151 @@
+"""``sptool novelty``: verdict parsing, the sampled pairwise gate, its O(B·K) cost, the CLI contract."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from conftest import FIXTURES, read_jsonl, write_jsonl
+from sptool.models.scripted import ScriptedBackend
+from sptool.novelty import (NoveltyStage, draw_comparison_partners, novelty_pass_probability,
+                            parse_same_task_verdict)
+
+BATCH = FIXTURES / "novelty_batch.jsonl"
+FAMILIES = {"nb-1": "rectangle", "nb-2": "rectangle", "nb-3": "books", "nb-4": "books"}
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("YES", "same"), ("no", "different"), ("**Yes**, both ask for an area.", "same"),
+    ("No. They differ.", "different"), ("\\boxed{YES}", "same"), ("\\boxed{\\text{No}}", "different"),
+    ("Let me compare them.\nAnswer: NO", "different"), ("Verdict: same type", "same"),
+    ("They are not the same type of task.", "different"), ("These are different tasks.", "different"),
+    ("Both are the same kind of problem.", "same"), ("I like turtles", "unparsed"), ("", "unparsed"),
+    ("Same setting, but a different question.", "unparsed"),
+])
+def test_parse_same_task_verdict(text, expected):
+    assert parse_same_task_verdict(text) == expected
+
+
+def test_pass_probability_matches_paper_examples():
+    # R-Quest: K = 8 → ≈ 43% at a 10% share, ≈ 6% at 30%; K = 16 at 20% → 2.8%
+    assert novelty_pass_probability(0.1, 8) == pytest.approx(0.9 ** 8) == pytest.approx(0.4305, abs=1e-4)
+    assert novelty_pass_probability(0.3, 8) == pytest.approx(0.0576, abs=1e-4)
+    assert novelty_pass_probability(0.2, 16) == pytest.approx(0.0281, abs=1e-4)
+
+
+def test_partners_without_replacement_and_never_self():
+    partners = draw_comparison_partners(10, 4, random.Random(0))
+    for index, others in enumerate(partners):
+        assert len(others) == 4 == len(set(others)) and index not in others
+    assert draw_comparison_partners(3, 8, random.Random(0))[0] in ([1, 2], [2, 1])  # capped at B − 1
+
+
+def family_judge(prompt: str, _index: int) -> str:
+    """Scripted judge: same family of task ↔ YES; an unparseable answer for one pair kind."""
+    a, b = re.search(r"Problem A:\n(.*?)\n\nProblem B:\n(.*?)\n", prompt, re.DOTALL).groups()
+    family = lambda text: ("rectangle" if "rectangle" in text else "books" if "books" in text else text)
+    if "dice" in a and "derivative" in b:
+        return "hmm"
+    return "YES" if family(a) == family(b) else "NO, a different task."
+
+
+def test_scripted_judge_marks_paraphrases_not_novel():
+    records = read_jsonl(BATCH)
+    judge = ScriptedBackend(responder=family_judge)
+    stage = NoveltyStage(judge, k=7, seed=0)
+    out = list(stage.run(iter(records)))
+    assert [r["id"] for r in out] == [r["id"] for r in records]     # order kept, nothing dropped
+    by_id = {r["id"]: r for r in out}
+    for id_ in ("nb-1", "nb-2", "nb-3", "nb-4"):
+        assert by_id[id_]["novelty"]["novel"] is False
+        same = [c["id"] for c in by_id[id_]["novelty"]["compared"] if c["verdict"] == "same"]
+        assert same and all(FAMILIES.get(other) == FAMILIES[id_] for other in same)
+    for id_ in ("nb-5", "nb-6", "nb-7", "nb-8"):
+        assert by_id[id_]["novelty"]["novel"] is True
+    unparsed = [c for c in by_id["nb-7"]["novelty"]["compared"] if c["verdict"] == "unparsed"]
+    assert unparsed == [{"id": "nb-8", "verdict": "unparsed", "raw": "hmm"}]   # recorded, counted as not same
+    assert by_id["nb-bad"] == records[-1]                                      # invalid: untouched
+    assert by_id["nb-1"]["novelty"]["judge"] == "scripted"
+    assert stage.stats.notes["passed through (valid=false)"] == 1
+    # every judgement greedy and batched: B·K prompts, B = 8 valid candidates, K = 7
+    assert sum(len(call) for call in judge.calls) == 8 * 7
+    assert all("nb-bad" not in c["id"] for r in out[:8] for c in r["novelty"]["compared"])
+
+
+def test_cost_is_batch_times_k_and_seeded():
+    records = read_jsonl(BATCH)
+    judge = ScriptedBackend(outputs=["NO"])
+    stage = NoveltyStage(judge, k=3, seed=5, judge_batch_size=10)
+    out = list(stage.run(iter(records)))
+    assert sum(len(call) for call in judge.calls) == 8 * 3          # O(B·K), not B(B−1) = 56
+    assert [len(call) for call in judge.calls] == [10, 10, 4]       # batched through the backend
+    assert all(len(r["novelty"]["compared"]) == 3 for r in out[:8])
+    again = list(NoveltyStage(ScriptedBackend(outputs=["NO"]), k=3, seed=5).run(iter(read_jsonl(BATCH))))
+    assert [r.get("novelty") for r in again] == [r.get("novelty") for r in out]
+    other = list(NoveltyStage(ScriptedBackend(outputs=["NO"]), k=3, seed=6).run(iter(read_jsonl(BATCH))))
+    assert [r.get("novelty") for r in other] != [r.get("novelty") for r in out]
+
+
+def test_batches_are_independent():
+    records = read_jsonl(BATCH)[:8]
+    judge = ScriptedBackend(outputs=["NO"])
+    out = list(NoveltyStage(judge, k=8, batch_size=4).run(iter(records)))
+    # partners come from the record's own batch of 4 only: 3 each, 2 batches → 8 × 3 judgements
+    assert sum(len(call) for call in judge.calls) == 24
+    first_batch = {r["id"] for r in out[:4]}
+    assert all({c["id"] for c in r["novelty"]["compared"]} <= first_batch for r in out[:4])
+
+
+def test_cli_scripted(cli, tmp_path):
+    script = write_jsonl(tmp_path / "judge.jsonl", [
+        {"match": "(?s)rectangle.*Problem B:.*rectangle", "output": "YES"},
+        {"match": "(?s)books.*Problem B:.*books", "output": "Yes"}, "NO"])
+    result = cli(["novelty", BATCH, "-k", "7", "--backend", "scripted", "-m", script])
+    assert result.exit_code == 0
+    out = read_jsonl(result.stdout)
+    assert [r["novelty"]["novel"] for r in out[:8]] == [False] * 4 + [True] * 4
+    assert "56 judgements" in result.stderr and "4 not novel" in result.stderr
+
+
+def test_help(cli):
+    result = cli(["novelty", "--help"])
+    assert result.exit_code == 0 and "--compare" in result.stdout and "--batch-size" in result.stdout
+
+
+def test_empty_input(sptool, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    result = sptool("novelty", str(empty), "--backend", "scripted")
+    assert result.returncode == 0 and result.stdout == "" and "0 in, 0 out" in result.stderr
+
+
+@pytest.mark.parametrize("line, needle", [
+    ('{"question": "   "}', "field 'question'"),
+    ('{"question": 7}', "field 'question'"),
+    ("not json", "not valid JSON"),
+])
+def test_bad_line(sptool, tmp_path, line, needle):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"question": "What is 2 + 2 in base 3?"}\n' + line + "\n")
+    result = sptool("novelty", str(path), "--backend", "scripted")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{path}:2" in lines[0] and needle in lines[0]
+
+
+@pytest.mark.slow
+def test_real_tiny_judge(sptool, tmp_path, tiny_model_dir):
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(BATCH.read_text().splitlines(keepends=True)[:3]))
+    result = sptool("novelty", str(batch), "-k", "2", "--max-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    out = read_jsonl(result.stdout)
+    assert len(out) == 3
+    for record in out:
+        novelty = record["novelty"]
+        assert isinstance(novelty["novel"], bool) and len(novelty["compared"]) == 2
+        assert all(c["verdict"] in ("same", "different", "unparsed") for c in novelty["compared"])
+        assert novelty["novel"] == (not any(c["verdict"] == "same" for c in novelty["compared"]))
+    assert "6 judgements" in result.stderr
