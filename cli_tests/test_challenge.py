@@ -320,7 +320,7 @@ def _assert_labelled(records):
 def test_real_tiny_documents(sptool, tmp_path, tiny_model_dir):
     doc = tmp_path / "one.jsonl"
     doc.write_text(DOCUMENTS.read_text().splitlines()[0] + "\n")
-    result = sptool("challenge", "--from", "documents", str(doc), "-n", "2", "--max-tokens", "64",
+    result = sptool("challenge", "--from", "documents", str(doc), "-n", "2", "--max-tokens", "48",
                     "--seed", "1")
     assert result.returncode == 0, result.stderr
     out = read_jsonl(result.stdout)
@@ -330,7 +330,7 @@ def test_real_tiny_documents(sptool, tmp_path, tiny_model_dir):
 
 @pytest.mark.slow
 def test_real_tiny_nothing(sptool, tiny_model_dir):
-    result = sptool("challenge", "--from", "nothing", "-n", "2", "--max-tokens", "64", "--seed", "1")
+    result = sptool("challenge", "--from", "nothing", "-n", "2", "--max-tokens", "48", "--seed", "1")
     assert result.returncode == 0, result.stderr
     out = read_jsonl(result.stdout)
     assert len(out) == 2 and all(r["origin"] == "questioner" for r in out)
@@ -341,8 +341,30 @@ def test_real_tiny_nothing(sptool, tiny_model_dir):
 def test_real_tiny_solutions(sptool, tmp_path, tiny_model_dir):
     one = tmp_path / "one.jsonl"
     one.write_text(VERIFIED.read_text().splitlines()[2] + "\n")     # percent-net: 1 correct solution
-    result = sptool("challenge", "--from", "solutions", str(one), "-n", "2", "--max-tokens", "64")
+    result = sptool("challenge", "--from", "solutions", str(one), "-n", "2", "--max-tokens", "48")
     assert result.returncode == 0, result.stderr
     out = read_jsonl(result.stdout)
     assert len(out) == 2 and all(r["parent_id"] == "percent-net" and r["answer"] == "-1" for r in out)
     _assert_labelled(out)
+
+
+def test_pipeline_keeps_invalid_generations(tmp_path):
+    """challenge | solve | verify as real processes: invalid generations flow through, unsolved."""
+    import shlex
+    import subprocess
+    from conftest import REPO, SPTOOL
+
+    questioner = write_jsonl(tmp_path / "q.jsonl", [
+        "<question>What is the sum of the first ten odd numbers?</question> \\boxed{100}",
+        "nothing useful"])
+    solver = write_jsonl(tmp_path / "s.jsonl", ["Adding them gives \\boxed{100}"])
+    sptool = " ".join(shlex.quote(part) for part in SPTOOL)
+    command = (f"{sptool} challenge --from nothing -n 2 --backend scripted -m {questioner} -q | "
+               f"{sptool} solve -k 2 --backend scripted -m {solver} -q | {sptool} verify -q")
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True,
+                            text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr
+    valid, invalid = read_jsonl(result.stdout)
+    assert valid["valid"] is True and valid["majority"] == "100" and valid["p_hat"] == 1.0
+    assert invalid["valid"] is False and invalid["invalid_reason"] == "no <question> tag"
+    assert invalid["samples"] == [] and invalid["question"] is None

@@ -163,15 +163,28 @@ def _samples_check(value: list) -> str | None:
     return None
 
 
+class GeneratedQuestionKind(RecordKind):
+    """A question kind that lets a generation marked ``"valid": false`` through without a question.
+
+    ``challenge`` keeps every generation, including unparsable ones (``question`` null), so that
+    ``filter`` can penalise them; ``solve`` and ``verify`` pass such records through unsolved.
+    """
+
+    def validate(self, record: Any) -> dict:
+        if isinstance(record, dict) and record.get("valid") is False:
+            return RecordKind(self.name, tuple(f for f in self.fields if f.name != "question")).validate(record)
+        return super().validate(record)
+
+
 ANSWER = Field("answer", (str, int, float), required=False, nullable=True,
                help="reference answer; null or absent means unknown (pseudo-label by majority)")
 
-QUESTION = RecordKind("question", (
+QUESTION = GeneratedQuestionKind("question", (
     Field("question", (str,), check=_non_empty, help="the problem text"),
     ANSWER,
 ))
 
-SOLVED = RecordKind("solved question", (
+SOLVED = GeneratedQuestionKind("solved question", (
     Field("question", (str,), check=_non_empty),
     ANSWER,
     Field("samples", (list,), check=_samples_check, help="solutions written by `sptool solve`"),
