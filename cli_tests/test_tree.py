@@ -96,6 +96,7 @@ def test_clean_proposal_and_votes():
     assert clean_proposal("1. **Number theory**") == "Number theory"
     assert clean_proposal("Sure! Here is a new subtopic: Combinatorics.") == "Combinatorics"
     assert clean_proposal('The new subtopic is "Prime numbers"') == "Prime numbers"
+    assert clean_proposal('"1. Number Systems"') == "Number Systems"
     assert clean_proposal("I think the best new subtopic for this branch would be something about shapes and more") is None
     # reference rule: 5 proposals, keep a label proposed at least twice
     assert choose_by_votes(["Graph theory", "graph  theory", "Topology", None, "Logic"], 2) == ("Graph theory", 2)
@@ -442,9 +443,10 @@ def test_expand_with_real_tiny_model_grows_and_rejects(sptool, tiny_model_dir, t
     set_window(tree, algebra, [0, 0, 0, 0, 0])
     tree_file = tmp_path / "tree.json"
     save_tree(tree, tree_file)
-    result = sptool("tree", "expand", "--tree", str(tree_file), "--paths", "2", "--seed", "3",
-                    "--titles", str(FIXTURES / "titles.txt"), "--max-tokens", "16",
-                    "--max-attempts", "1", "--device", "cpu")
+    # one backend call per unk choice: 4 samples, the most frequent usable label is proposed
+    result = sptool("tree", "expand", "--tree", str(tree_file), "--paths", "1", "--seed", "3",
+                    "--titles", str(FIXTURES / "titles.txt"), "--max-tokens", "12",
+                    "--proposals", "4", "--max-attempts", "1", "--device", "cpu")
     assert result.returncode == 0, result.stderr
     paths = read_jsonl(result.stdout)
     grown = load_tree(tree_file)

@@ -139,7 +139,7 @@ def clean_proposal(text: str, max_words: int = 8) -> str | None:
             line = tail
         quoted = re.search(r'["“]([^"”]+)["”]?', line)  # 'The new subtopic is "Prime numbers"'
         if quoted and quoted.group(1).strip():
-            line = quoted.group(1)
+            line = _BULLET.sub("", quoted.group(1).strip())
         line = line.strip().strip("\"'“”‘’«»").strip()
         line = re.split(r"(?<=[a-z0-9)])[.;:!?](?:\s|$)| - | — |\(", line, maxsplit=1)[0]
         line = line.strip().rstrip(".,;:!?").strip().strip("\"'“”‘’").strip()
