@@ -309,7 +309,7 @@ def test_pipeline_validity_init(tmp_path):
 @pytest.mark.slow
 def test_pipeline_rzero_with_tiny_model(tmp_path, tiny_model_dir):
     result = pipeline(
-        f"{SP} solve -q -k 2 --max-tokens 32 --batch-size 4 fixtures/questions_rzero.jsonl | "
+        f"{SP} solve -q -k 1 --max-tokens 24 --batch-size 4 fixtures/questions_rzero.jsonl | "
         f"{SP} verify -q --workers 1 --pseudo-label | {SP} filter --recipe rzero", timeout=600)
     assert result.returncode == 0, result.stderr
     groups = read_jsonl(result.stdout)
