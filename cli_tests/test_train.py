@@ -382,8 +382,11 @@ def test_roles_select_groups_and_output_must_not_clobber_user_dirs(cli, random_m
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep")
-    result = cli(["train-step", groups, "-m", random_model_dir, "-o", precious])
-    assert result.exit_code == 2 and (precious / "notes.txt").exists()
+    from sptool.records import UsageError
+
+    with pytest.raises(UsageError, match="exists and is not a model checkpoint") as error:
+        cli(["train-step", groups, "-m", random_model_dir, "-o", precious])
+    assert error.value.exit_code == 2 and (precious / "notes.txt").read_text() == "keep"
 
 
 # ------------------------------------------------------------------------------ real tiny model
