@@ -1,0 +1,75 @@
+"""``sptool eval``: greedy accuracy, mean@k and pass@k on benchmark files."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from sptool.cli import common
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval")(evaluate)
+
+
+def evaluate(
+    benchmarks: List[str] = typer.Argument(..., help="Benchmark JSONL files (fields: question, answer)."),
+    model: str = common.ModelOpt,
+    backend: str = common.BackendOpt,
+    samples: int = typer.Option(8, "-k", "--samples", help="Samples per problem (n of pass@k)."),
+    pass_at: str = typer.Option("1,8", "--pass-at", help="Comma-separated k values for pass@k (<= samples)."),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    max_tokens: int = typer.Option(512, "--max-tokens"),
+    seed: int = common.SeedOpt,
+    no_greedy: bool = typer.Option(False, "--no-greedy", help="Skip the greedy-accuracy pass."),
+    no_chat_template: bool = typer.Option(False, "--no-chat-template"),
+    device: Optional[str] = typer.Option(None, "--device", envvar="SPTOOL_DEVICE"),
+    workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", envvar="SPTOOL_WORKERS"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (for scripts) instead of a table."),
+    samples_out: Optional[str] = typer.Option(None, "--samples-out", help="Write graded samples (JSONL) here."),
+    quiet: bool = common.QuietOpt,
+) -> None:
+    """Evaluate a model: greedy accuracy, mean@k, and unbiased pass@k per benchmark."""
+    from rich.table import Table
+
+    from sptool.evaluate import evaluate_benchmark, parse_ks
+    from sptool.jsonl import AtomicJsonlWriter, read_records
+    from sptool.models.base import SamplingParams, load_backend
+    from sptool.records import QUESTION
+
+    ks = parse_ks(pass_at)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens, seed=seed)
+    records_by_name = {Path(path).stem.removesuffix(".jsonl"): list(read_records(path, QUESTION))
+                       for path in benchmarks}
+    log = None if quiet else (lambda message: common.err_console.print(message, markup=False))
+    engine = load_backend(backend, model, device=device, chat_template=not no_chat_template, log=log)
+    results, graded_all = [], []
+    for name, records in records_by_name.items():
+        with common.Progress(f"eval {name}", quiet, unit="benchmarks"):
+            result, graded = evaluate_benchmark(name, records, engine, samples=samples, ks=ks,
+                                                params=params, greedy=not no_greedy, workers=workers)
+        results.append(result)
+        graded_all.extend({**r, "benchmark": name} for r in graded)
+    if samples_out:
+        with AtomicJsonlWriter(samples_out) as out:
+            for record in graded_all:
+                out.write(record)
+    if as_json:
+        typer.echo(json.dumps({"model": model, "samples": samples,
+                               "benchmarks": [r.as_dict() for r in results]}))
+        return
+    table = Table(title=f"sptool eval — model {model}, {samples} samples/problem")
+    for column in ("benchmark", "problems", "greedy acc", f"mean@{samples}", *[f"pass@{k}" for k in ks]):
+        table.add_column(column, justify="right" if column != "benchmark" else "left")
+    for r in results:
+        greedy = "-" if r.greedy_accuracy is None else f"{r.greedy_accuracy:.3f}"
+        table.add_row(r.name, str(r.problems), greedy, f"{r.mean_at_k:.3f}",
+                      *[f"{r.pass_at[k]:.3f}" for k in ks])
+    from rich.console import Console
+
+    Console().print(table)
