@@ -84,8 +84,12 @@ def stage_params(params):
     return dataclasses.replace(params, seed=params.seed * 7919 + 0)
 
 
-def bare_hf(backend, prompts, params) -> tuple[float, int]:
-    """Bare transformers: tokenise the rendered batch, ``model.generate``, decode."""
+def bare_hf(backend, prompts, params, same_options: bool = True) -> tuple[float, int]:
+    """Bare transformers: tokenise the rendered batch, ``model.generate``, decode.
+
+    ``same_options``: with the backend's cache/compile settings (the overhead measurement);
+    else plain ``model.generate`` with its default dynamic cache (the speed-up baseline).
+    """
     import torch
 
     params = stage_params(params)
@@ -98,7 +102,8 @@ def bare_hf(backend, prompts, params) -> tuple[float, int]:
                    pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, return_dict_in_generate=True)
     if params.temperature > 0:
         options.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
-    options.update(getattr(backend, "generate_options", {}) or {})
+    if same_options:
+        options.update(getattr(backend, "generate_options", {}) or {})
     torch.manual_seed(params.seed * 1_000_003 + 0)
     with torch.inference_mode():
         output = model.generate(**encoded, **options)
@@ -172,13 +177,23 @@ def measure(name: str, model: str, batch: int, args) -> dict:
     for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits both
         sptool_runs.append(time_sptool(backend, records, params, batch))
         bare_runs.append(BARE[name](backend, prompts, params))
+    default_runs = []
+    if name == "hf" and (args.static_cache or args.compile):
+        if args.compile:
+            backend.model.generation_config.disable_compile = True
+        bare_hf(backend, prompts[:min(batch, 4)], params, same_options=False)
+        default_runs = [bare_hf(backend, prompts, params, same_options=False) for _ in range(args.repeats)]
     backend.close()
 
     def rate(runs):
         return statistics.median(tokens / seconds for seconds, tokens in runs)
 
     sptool_rate, bare_rate = rate(sptool_runs), rate(bare_runs)
-    return dict(backend=name, shape=args.shape, batch=batch, max_tokens=args.max_tokens,
+    extra = {}
+    if default_runs:
+        extra = dict(default_bare_tok_s=round(rate(default_runs), 1),
+                     speedup_vs_default_bare=round(sptool_rate / rate(default_runs), 2))
+    return dict(**extra,backend=name, shape=args.shape, batch=batch, max_tokens=args.max_tokens,
                 tokens=sptool_runs[-1][1], bare_tokens=bare_runs[-1][1], load_s=round(load_s, 1),
                 sptool_tok_s=round(sptool_rate, 1), bare_tok_s=round(bare_rate, 1),
                 ratio=round(sptool_rate / bare_rate, 3))
@@ -213,10 +228,12 @@ def main() -> None:
                 print(f"# {name} batch {batch}: sptool {row['sptool_tok_s']} tok/s, "
                       f"bare {row['bare_tok_s']} tok/s, ratio {row['ratio']}", file=sys.stderr, flush=True)
     header = ["backend", "shape", "batch", "max_tokens", "tokens", "sptool_tok_s", "bare_tok_s", "ratio"]
+    if any("speedup_vs_default_bare" in row for row in rows):
+        header += ["default_bare_tok_s", "speedup_vs_default_bare"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
-        print("| " + " | ".join(str(row[key]) for key in header) + " |")
+        print("| " + " | ".join(str(row.get(key, "")) for key in header) + " |")
 
 
 if __name__ == "__main__":

@@ -220,7 +220,7 @@ def test_vllm_backend_is_seeded_and_stops_like_hf(vllm_backend, hf_backend):
 
 @pytest.mark.slow
 @requires_vllm
-def test_vllm_reload_restarts_on_cpu_and_serves_the_new_weights(vllm_backend, tiny_model_dir, tmp_path):
+def test_vllm_reload_serves_the_new_checkpoint_in_place(vllm_backend, tiny_model_dir, tmp_path):
     import shutil
 
     from sptool.models.base import SamplingParams
@@ -231,9 +231,21 @@ def test_vllm_reload_restarts_on_cpu_and_serves_the_new_weights(vllm_backend, ti
     prompt = [[{"role": "user", "content": "What is 2 + 3?"}]]
     before = vllm_backend.generate(prompt, 1, params)[0][0].text
     how = vllm_backend.reload(str(checkpoint))
-    assert how == "restart"  # the CPU build cannot sleep/wake: a clean engine restart
+    assert how == "in-place"  # reload_weights from the new directory, no engine restart
     assert vllm_backend.base_path == str(checkpoint)
     assert vllm_backend.generate(prompt, 1, params)[0][0].text == before  # same weights, same greedy text
+    # a checkpoint with other weights changes what is served: zero every weight of the copy
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = checkpoint / "model.safetensors"
+    save_file({name: torch.zeros_like(t) for name, t in load_file(weights).items()}, weights,
+              metadata={"format": "pt"})
+    assert vllm_backend.reload(str(checkpoint)) == "in-place"
+    zeroed = vllm_backend.generate(prompt, 1, params)[0][0]
+    assert zeroed.text != before  # all-zero logits: greedy picks token 0 every step
+    assert set(zeroed.token_ids) == {0}
+    vllm_backend.reload(tiny_model_dir)  # back to the real weights for the other tests
 
 
 # -- the openai backend against a real vllm serve --------------------------------------------

@@ -10,8 +10,9 @@ are returned for the trainer when asked.
 A model directory holding a peft adapter (``adapter_config.json``) is served as a LoRA adapter
 (``LoRARequest``) over its base model. :meth:`VLLMBackend.reload` refreshes the weights after a
 ``train-step``: a new adapter directory is just a new ``LoRARequest``; full weights are reloaded
-in place (``sleep``/``wake_up`` on GPU, then ``reload_weights`` from the new directory) where
-this vLLM allows it, else the engine is restarted cleanly.
+in place (vLLM's ``reload_weights`` from the new directory) where this vLLM allows it, else the
+engine is restarted cleanly. On GPU, :meth:`VLLMBackend.sleep` / :meth:`VLLMBackend.wake_up`
+free the memory while a train-step runs in the same process.
 
 Without a GPU the CPU defaults of DESIGN §6 apply: ``gpu_memory_utilization`` 0.3 (on CPU the
 share of RAM for the KV cache), ``enforce_eager`` (no long compile), float32 like the hf
@@ -169,15 +170,17 @@ class VLLMBackend:
         """Serve the weights in ``path`` (a new checkpoint) from now on; returns how.
 
         ``"adapter"``: a LoRA adapter over the same base, swapped without touching the engine.
-        ``"in-place"``: full weights reloaded into the running engine (GPU sleep/wake, then
-        ``reload_weights`` from the new directory). ``"restart"``: a clean engine restart, where
-        this vLLM cannot reload in place (the CPU build).
+        ``"in-place"``: full weights of the same architecture reloaded into the running engine
+        from the new directory (vLLM's ``reload_weights``; the prefix cache is reset since its
+        KV entries came from the old weights). ``"restart"``: a clean engine restart, where an
+        in-place reload is not possible (other architecture, adapter to full model, or this
+        vLLM refuses).
         """
         new_path, new_base, new_adapter = self._resolve(path)
         if new_adapter and self.adapter_path and new_base == self.base_path:
             self._set_adapter(new_adapter)
             return "adapter"
-        if not new_adapter and not self.adapter_path and self.on_gpu:
+        if not new_adapter and not self.adapter_path and self.llm is not None:
             try:
                 self._reload_in_place(new_path)
                 self.path = self.base_path = new_path
@@ -191,12 +194,17 @@ class VLLMBackend:
         return "restart"
 
     def _reload_in_place(self, path: str) -> None:
-        """Sleep (free the KV cache and weights), point the loader at ``path``, reload, wake."""
-        self.llm.sleep(level=1)
-        try:
-            self.llm.collective_rpc("update_config", args=({"model_config": {"model": path}},))
-            self.llm.collective_rpc("reload_weights")
-        finally:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free the GPU for a train-step in the same process (weights offloaded, KV cache
+        dropped); :meth:`wake_up` brings the engine back. A no-op on CPU."""
+        if self.on_gpu and self.llm is not None:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.on_gpu and self.llm is not None:
             self.llm.wake_up()
 
     # -- generation --------------------------------------------------------------------------
