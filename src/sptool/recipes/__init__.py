@@ -98,7 +98,6 @@ RECIPE_SCHEMA: dict[str, dict[str, Any]] = {
         "synthesis_band": [0.125, 0.625],
         "negative_synthesis": False,
         "max_solutions": 8,
-        "advantage": "grpo",
     },
     "rzero": {
         "questions": 512,         # questioner candidates per step
@@ -111,7 +110,6 @@ RECIPE_SCHEMA: dict[str, dict[str, Any]] = {
         "uncertainty": "paper",
         "bleu_threshold": 0.5,
         "format_weight": 0.1,
-        "advantage": "grpo",
     },
     "rquest": {
         "questions": 512,
@@ -129,7 +127,6 @@ RECIPE_SCHEMA: dict[str, dict[str, Any]] = {
         "replay_problems": 64,    # validity-set problems re-solved per round for the replay groups
         "bleu_threshold": 0.5,
         "format_weight": 0.1,
-        "advantage": "grpo",
     },
 }
 

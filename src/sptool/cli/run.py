@@ -1,0 +1,129 @@
+"""``sptool run --recipe NAME``: a paper's whole self-play loop in one process, resumable."""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional
+
+import typer
+
+from sptool.cli import common
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run)
+
+
+class RunProgress:
+    """Renders the driver's events on stderr: iteration, stage, items, ETA."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.status = None
+        self.iteration = (0, 0)
+        self.started = time.monotonic()
+        self.iteration_started = self.started
+        self.iteration_times: list[float] = []
+        self.stage_started = self.started
+
+    def eta(self) -> str:
+        done, total = self.iteration
+        if not self.iteration_times or not total:
+            return ""
+        mean = sum(self.iteration_times) / len(self.iteration_times)
+        return f", ETA {mean * (total - done + 1) - (time.monotonic() - self.iteration_started):.0f}s"
+
+    def __call__(self, event: dict) -> None:
+        if self.quiet:
+            return
+        kind = event["event"]
+        if kind == "iteration":
+            if self.iteration[0]:
+                self.iteration_times.append(time.monotonic() - self.iteration_started)
+            self.iteration_started = time.monotonic()
+            self.iteration = (event["iteration"], event["iterations"])
+            common.err_console.print(f"[bold]iteration {event['iteration']}/{event['iterations']}[/bold]")
+        elif kind == "stage":
+            self.stage_started = time.monotonic()
+            self._update(f"{event['stage']} ({event['index']}/{event['total']}): starting{self.eta()}")
+        elif kind == "progress":
+            rate = event["items"] / max(time.monotonic() - self.stage_started, 1e-9)
+            self._update(f"{event['stage']}: {event['items']} items ({rate:.2f}/s){self.eta()}")
+        elif kind == "stage-done":
+            self._update(None)
+            common.err_console.print(f"  {event['stage']}: {event['records']} records in "
+                                     f"{event['wall_s']:.1f}s", markup=False)
+        elif kind == "stage-skipped":
+            common.err_console.print(f"  {event['stage']}: done before ({event['records']} records, "
+                                     f"read back)", markup=False, style="dim")
+
+    def _update(self, text: Optional[str]) -> None:
+        if not common.err_console.is_terminal:
+            return
+        if text is None:
+            if self.status is not None:
+                self.status.stop()
+                self.status = None
+            return
+        if self.status is None:
+            self.status = common.err_console.status(text)
+            self.status.start()
+        else:
+            self.status.update(text)
+
+    def close(self) -> None:
+        self._update(None)
+
+
+def run(
+    recipe: str = typer.Option(..., "--recipe", "-r", envvar="SPTOOL_RECIPE",
+                               help="wist, svs, rzero or rquest (`sptool recipes list`)."),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory (default runs/<recipe>-<timestamp>)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its last finished stage."),
+    tiny: bool = typer.Option(False, "--tiny", help="The recipe's tiny preset: minutes on a laptop CPU."),
+    config_file: Optional[str] = typer.Option(None, "--config", help="TOML file overriding the recipe."),
+    sets: List[str] = typer.Option([], "--set", help="Override one key, e.g. --set wist.paths=4 "
+                                   "(repeatable; a bare key means the recipe's own or a shared one)."),
+    iterations: Optional[int] = typer.Option(None, "--iterations", "-n", help="Shortcut for --set run.iterations=N."),
+    data: Optional[str] = typer.Option(None, "--data", help="svs: the labelled problem set (JSONL question, answer)."),
+    model: Optional[str] = typer.Option(None, "-m", "--model", help="Starting policy (shortcut for --set model.policy=M)."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="Generation backend (model.backend): hf, scripted, vllm, openai."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Run seed (run.seed)."),
+    keep: Optional[int] = typer.Option(None, "--keep", help="Checkpoints kept per role (run.keep; 0 = all)."),
+    quiet: bool = common.QuietOpt,
+) -> None:
+    """Run a recipe's self-play loop: stages in one process, outputs and checkpoints in a run directory.
+
+    Examples: sptool run --recipe rzero --tiny | sptool run --recipe svs --data problems.jsonl
+    --set svs.problems=64 | sptool run --recipe wist --run-dir runs/w1 --resume
+    """
+    from sptool.recipes import load_config
+    from sptool.recipes.driver import RunDriver
+    from sptool.records import UsageError
+
+    shortcuts = [(iterations, "run.iterations"), (data, "svs.data"), (model, "model.policy"),
+                 (backend, "model.backend"), (seed, "run.seed"), (keep, "run.keep")]
+    extra = []
+    for value, key in shortcuts:
+        if value is None:
+            continue
+        if key == "svs.data" and recipe != "svs":
+            raise UsageError("--data belongs to --recipe svs")
+        extra.append(f"{key}={value}" if not isinstance(value, str) else f'{key}="{value}"')
+    config = load_config(recipe, tiny=tiny, config_file=config_file, sets=[*extra, *sets])
+    if run_dir is None:
+        if resume:
+            raise UsageError("--resume needs --run-dir DIR")
+        run_dir = f"runs/{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+    progress = RunProgress(quiet)
+    log = None if quiet else (lambda message: common.err_console.print(f"  {message}", markup=False,
+                                                                       style="dim", soft_wrap=True))
+    driver = RunDriver(config, run_dir, resume=resume, on_event=progress, log=log)
+    try:
+        summary = driver.run()
+    finally:
+        progress.close()
+    if not quiet:
+        common.err_console.print(f"run {recipe}: {summary['iterations']} iterations, "
+                                 f"{summary['stages_run']} stages run, {summary['stages_resumed']} "
+                                 f"read back, {summary['wall_s']:.1f}s [{run_dir}]", markup=False)
