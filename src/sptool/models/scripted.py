@@ -3,6 +3,8 @@
 ``--backend scripted -m FILE`` reads FILE as JSONL; each line is a string (one output) or an
 object ``{"match": REGEX, "output": TEXT}``. Outputs are handed out in order, cycling when the
 queue is exhausted; a ``match`` line is used whenever its regex matches the rendered prompt.
+``{"match": REGEX, "outputs": [A, B, …]}`` gives sample i of a prompt ``outputs[i % len]``
+(deterministic per prompt, so a resumed run sees the same outputs).
 From Python, pass ``outputs=[...]`` or ``responder=lambda prompt_text, sample_index: text``.
 """
 
@@ -22,7 +24,7 @@ class ScriptedBackend:
     def __init__(self, model: str | None = None, *, outputs: list[str] | None = None,
                  responder: Callable[[str, int], str] | None = None, **_):
         self.model_id = model or "scripted"
-        self.rules: list[tuple[re.Pattern, str]] = []
+        self.rules: list[tuple[re.Pattern, str | list[str]]] = []
         self.queue: list[str] = list(outputs or [])
         self.responder = responder
         self.calls: list[list[str]] = []
@@ -49,8 +51,11 @@ class ScriptedBackend:
                     self.queue.append(value)
                 elif isinstance(value, dict) and isinstance(value.get("output"), str):
                     self.rules.append((re.compile(value.get("match", "")), value["output"]))
+                elif isinstance(value, dict) and isinstance(value.get("outputs"), list) and value["outputs"] \
+                        and all(isinstance(item, str) for item in value["outputs"]):
+                    self.rules.append((re.compile(value.get("match", "")), list(value["outputs"])))
                 else:
-                    raise InputError("expected a string or {\"match\", \"output\"}", source=path,
+                    raise InputError("expected a string, {\"match\", \"output\"} or {\"match\", \"outputs\": [...]}", source=path,
                                      line=number)
 
     @staticmethod
@@ -64,7 +69,7 @@ class ScriptedBackend:
             return self.responder(text, sample_index)
         for pattern, output in self.rules:
             if pattern.search(text):
-                return output
+                return output if isinstance(output, str) else output[sample_index % len(output)]
         output = self.queue[self._position % len(self.queue)]
         self._position += 1
         return output

@@ -1,0 +1,336 @@
+"""`sptool run`, `sptool recipes`, `sptool report`: config merging, the four recipes end to end
+(scripted generation + a tiny random-initialised policy for logic; the real tiny model for the
+smoke runs), SIGKILL at several points then --resume, and the report's PNGs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES, REPO, read_jsonl, run_sptool
+
+SCRIPT = FIXTURES / "scripts" / "run_all.jsonl"
+# Two cores shared by several processes: one BLAS thread per process avoids oversubscription
+# (measured: a tiny-model solve took 91 s with the default threads under load, 7.5 s with one).
+ENV = {"OMP_NUM_THREADS": "1"}
+VOLATILE = {"wall_s", "fetched_at", "elapsed_s"}
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="session")
+def random_policy(tmp_path_factory, tiny_model_dir) -> str:
+    """A 1-layer, 16-wide random model with the tiny model's tokenizer: fast to train and save."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    directory = tmp_path_factory.mktemp("random-policy")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=2048, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def scripted_args(recipe: str, run_dir: Path, policy: str, *extra: str) -> list[str]:
+    args = ["run", "--recipe", recipe, "--tiny", "--run-dir", str(run_dir), "--backend", "scripted",
+            "-m", policy, "--set", f'model.script="{SCRIPT}"', "--keep", "1", "-q"]
+    if recipe == "svs":
+        args += ["--data", str(FIXTURES / "svs_train.jsonl")]
+    return args + list(extra)
+
+
+def stage_outputs(run_dir: Path) -> dict[str, list[dict]]:
+    """Every stage's output records (volatile fields removed), by relative path."""
+    out = {}
+    for path in sorted(run_dir.glob("iter-*/*.jsonl")):
+        records = read_jsonl(path)
+        for record in records:
+            for key in VOLATILE:
+                record.pop(key, None)
+        out[str(path.relative_to(run_dir))] = records
+    return out
+
+
+def checkpoint_weights(run_dir: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.glob("ckpt/*/*/model.safetensors"))}
+
+
+# ------------------------------------------------------------------------------ recipes / config
+
+def test_recipes_list_names_all_four(cli):
+    result = cli(["recipes", "list"])
+    assert result.exit_code == 0
+    names = [line.split("\t")[0] for line in result.stdout.splitlines()]
+    assert names == ["wist", "svs", "rzero", "rquest"]
+
+
+def test_recipes_show_papers_defaults(cli):
+    import tomllib
+
+    wist = tomllib.loads(cli(["recipes", "show", "wist"]).stdout)
+    assert wist["wist"]["paths"] == 128 and wist["wist"]["candidates"] == 8 and wist["wist"]["samples"] == 8
+    assert wist["wist"]["tau_var"] == 0.2 and wist["wist"]["sigma"] == 0.02
+    assert wist["train"]["learning_rate"] == 1e-6 and wist["train"]["beta"] == 0.0
+    assert wist["train"]["loss"] == "dr_grpo" and wist["train"]["shared_policy"] is True
+    svs = tomllib.loads(cli(["recipes", "show", "svs"]).stdout)
+    assert svs["svs"]["band"] == [0.125, 0.5] and svs["svs"]["synthesis_band"] == [0.125, 0.625]
+    assert svs["svs"]["problems"] == 256 and svs["svs"]["variants"] == 8
+    rquest = json.loads(cli(["recipes", "show", "rquest", "--format", "json"]).stdout)
+    assert rquest["rquest"]["validity_samples"] == 9 and rquest["rquest"]["samples"] == 10
+    assert rquest["rquest"]["questioner_steps"] == 5 and rquest["rquest"]["solver_steps"] == 15
+    assert rquest["rquest"]["novelty_k"] == 8 and rquest["train"]["beta"] == 0.01
+    assert rquest["train"]["shared_policy"] is False
+
+
+def test_merge_order_set_beats_config_beats_tiny_beats_recipe(cli, tmp_path):
+    from sptool.recipes import load_config
+
+    assert load_config("rzero")["rzero"]["questions"] == 512
+    assert load_config("rzero", tiny=True)["rzero"]["questions"] == 4
+    override = tmp_path / "over.toml"
+    override.write_text('[rzero]\nquestions = 6\nsamples = 5\n[generation]\ntemperature = 0.7\n')
+    config = load_config("rzero", tiny=True, config_file=str(override), sets=["questions=9"])
+    assert config["rzero"]["questions"] == 9          # --set wins
+    assert config["rzero"]["samples"] == 5            # --config beats [tiny] (3)
+    assert config["generation"]["temperature"] == 0.7
+    assert config["generation"]["max_tokens"] == 48   # [tiny] beats the default 512
+    assert config["train"]["learning_rate"] == 1e-6   # recipe file
+    # show prints the same effective configuration, and it reads back as --config
+    shown = cli(["recipes", "show", "rzero", "--tiny", "--config", override, "--set", "questions=9"]).stdout
+    saved = tmp_path / "effective.toml"
+    saved.write_text(shown)
+    assert load_config("rzero", config_file=str(saved)) == {**config, "tiny": False}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "wist.pathz=3"], "unknown key 'wist.pathz'. Did you mean 'wist.paths'?"),
+    (["--set", "wist.paths=many"], "key 'wist.paths': expected an integer"),
+    (["--set", "train.shared_policy=1"], "key 'train.shared_policy': expected a boolean"),
+    (["--set", "generation.max_tokens=0"], "key 'generation.max_tokens': must be >= 1"),
+    (["--set", "nokey"], "--set expects KEY=VALUE"),
+])
+def test_bad_overrides_are_one_line_usage_errors(args, message):
+    result = run_sptool("recipes", "show", "wist", *args)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bad_config_file_names_the_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[svs]\nband = [0.1]\n")
+    result = run_sptool("recipes", "show", "svs", "--config", str(bad))
+    assert result.returncode == 2 and "key 'svs.band': expected a list [LOW, HIGH]" in result.stderr
+    bad.write_text("[model]\npolicyy = 'x'\n")
+    result = run_sptool("recipes", "show", "svs", "--config", str(bad))
+    assert result.returncode == 2 and "Did you mean 'model.policy'?" in result.stderr
+
+
+def test_unknown_recipe_has_a_hint():
+    result = run_sptool("run", "--recipe", "rzeor", "--tiny")
+    assert result.returncode == 2 and "Did you mean 'rzero'?" in result.stderr
+
+
+def test_stage_seed_depends_on_run_seed_iteration_and_stage():
+    from sptool.recipes.driver import stage_seed
+
+    seeds = {stage_seed(0, 1, "solve"), stage_seed(1, 1, "solve"), stage_seed(0, 2, "solve"),
+             stage_seed(0, 1, "verify")}
+    assert len(seeds) == 4 and stage_seed(0, 1, "solve") == stage_seed(0, 1, "solve")
+
+
+# ------------------------------------------------------------------------------ scripted runs
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["svs", "rzero", "rquest", "wist"])
+def test_scripted_recipe_runs_every_stage(recipe, tmp_path, random_policy):
+    run_dir = tmp_path / recipe
+    result = run_sptool(*scripted_args(recipe, run_dir, random_policy), env=ENV)
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    stages = [key.split("/")[1].split("-", 1)[1] for key in manifest["order"]]
+    expected = {
+        "svs": ["sample", "solve", "verify", "challenge", "solve-variants", "verify-variants", "filter", "train"],
+        "rzero": ["q1-challenge", "q1-solve", "q1-verify", "q1-filter", "q1-train",
+                  "s-challenge", "s-solve", "s-verify", "s-filter", "s-train"],
+        "rquest": ["q1-challenge", "q1-solve-validity", "q1-verify-validity", "q1-solve", "q1-verify",
+                   "q1-novelty", "q1-filter", "q1-train", "s-challenge", "s-solve-validity",
+                   "s-verify-validity", "s-solve", "s-verify", "s-replay-solve", "s-replay-verify",
+                   "s-filter", "s-train"],
+        "wist": ["tree-expand", "corpus-fetch", "challenge", "solve", "verify", "filter", "train",
+                 "posterior-update"],
+    }[recipe]
+    iterations = 2 if recipe in ("svs", "wist") else 1
+    assert stages == expected * iterations
+    for key, entry in manifest["stages"].items():
+        path = run_dir / entry["output"]
+        assert len(read_jsonl(path)) == entry["records"]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(metrics) == len(stages)
+    groups = [g for path in run_dir.glob("iter-*/*filter.jsonl") for g in read_jsonl(path)]
+    roles = {g["role"] for g in groups}
+    trained = [r for path in run_dir.glob("iter-*/*train.jsonl") for r in read_jsonl(path)]
+    assert any(r.get("checkpoint") for r in trained)
+    if recipe == "svs":
+        # the scripted solver gets 2 of 4 right on "12 + 30", variants share the answer 42
+        assert {"solver", "synthesis"} <= roles
+        variants = read_jsonl(run_dir / "iter-0001" / "06-verify-variants.jsonl")
+        assert variants and all(v["answer"] == "42" for v in variants if v.get("valid"))
+        assert (run_dir / "ckpt" / "policy").is_dir() and not (run_dir / "ckpt" / "solver").exists()
+    elif recipe in ("rzero", "rquest"):
+        assert "questioner" in roles and "solver" in roles
+        # questioner and solver train separate checkpoints
+        assert {r["role"] for r in trained if r.get("checkpoint")} == {"questioner", "solver"}
+        verified = read_jsonl(run_dir / "iter-0001" / ("03-q1-verify.jsonl" if recipe == "rzero"
+                                                         else "05-q1-verify.jsonl"))
+        assert all(v["majority"] == "42" for v in verified if v.get("samples"))
+        if recipe == "rquest":
+            assert "validity" in roles  # replay of the validity-initialisation set
+            novelty = read_jsonl(run_dir / "iter-0001" / "06-q1-novelty.jsonl")
+            assert any(isinstance(r.get("novelty"), dict) for r in novelty)
+    else:
+        tree = json.loads((run_dir / "tree.json").read_text())
+        assert tree["applied"], "posterior update recorded observations in the tree"
+        assert any(m.get("tree") for m in metrics if m["stage"] == "posterior-update")
+        assert list((run_dir / "pools").glob("*.jsonl")), "per-leaf pools are kept in the run dir"
+    # --keep 1: one checkpoint per role is left
+    for role_dir in (run_dir / "ckpt").iterdir():
+        assert len([p for p in role_dir.iterdir() if p.name.startswith("step-")]) == 1
+
+
+def test_refuses_a_non_empty_run_dir_without_resume(tmp_path):
+    run_dir = tmp_path / "busy"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    result = run_sptool("run", "--recipe", "rzero", "--tiny", "--run-dir", str(run_dir))
+    assert result.returncode == 2
+    assert "not empty" in result.stderr and "--resume" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert (run_dir / "notes.txt").read_text() == "mine"
+
+
+def test_svs_without_data_is_a_usage_error(tmp_path, random_policy):
+    args = scripted_args("svs", tmp_path / "r", random_policy)
+    args = args[:args.index("--data")]
+    result = run_sptool(*args, "--set", 'svs.data=""', env=ENV)
+    assert result.returncode == 2 and "--data FILE" in result.stderr
+
+
+# ------------------------------------------------------------------------------ kill and resume
+
+KILL_POINTS = {
+    # recipe: [(stage:point), …] — mid-generation, mid-verify, mid-save (stage output and checkpoint)
+    "rquest": ["q1-solve-validity:mid", "q1-verify:mid", "q1-novelty:save", "q1-train:checkpoint",
+               "s-replay-verify:mid", "s-train:save"],
+    "svs": ["2/solve:mid", "verify-variants:mid", "filter:save", "2/train:checkpoint"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["rquest", "svs"])
+def test_sigkill_then_resume_equals_uninterrupted_run(recipe, tmp_path, random_policy):
+    reference = tmp_path / "reference"
+    result = run_sptool(*scripted_args(recipe, reference, random_policy), env=ENV)
+    assert result.returncode == 0, result.stderr
+    killed = tmp_path / "killed"
+    for point in KILL_POINTS[recipe]:
+        args = scripted_args(recipe, killed, random_policy)
+        if (killed / "manifest.json").exists():
+            args.append("--resume")
+        result = run_sptool(*args, env={**ENV, "SPTOOL_TEST_KILL_AT": point})
+        assert result.returncode == -signal.SIGKILL, (point, result.returncode, result.stderr)
+    result = run_sptool(*scripted_args(recipe, killed, random_policy), "--resume", env=ENV)
+    assert result.returncode == 0, result.stderr
+    assert stage_outputs(killed) == stage_outputs(reference)
+    assert checkpoint_weights(killed) == checkpoint_weights(reference)
+    assert not [p for p in killed.rglob(".*") if ".part" in p.name or "sptool-tmp" in p.name]
+    ref_metrics = [{k: v for k, v in m.items() if k != "wall_s"} for m in read_jsonl(reference / "metrics.jsonl")]
+    got_metrics = [{k: v for k, v in m.items() if k != "wall_s"} for m in read_jsonl(killed / "metrics.jsonl")]
+    assert got_metrics == ref_metrics  # no lost or duplicated lines
+
+
+def test_resume_refuses_changed_configuration(tmp_path, random_policy):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    from sptool.recipes import load_config
+    from sptool.recipes.driver import RunDriver
+
+    config = load_config("rzero", tiny=True)
+    driver = RunDriver(config, run_dir)
+    driver._prepare_dir()
+    changed = load_config("rzero", tiny=True, sets=["samples=5"])
+    from sptool.records import UsageError
+
+    with pytest.raises(UsageError, match="rzero.samples"):
+        RunDriver(changed, run_dir, resume=True)._prepare_dir()
+    more = load_config("rzero", tiny=True, sets=["run.iterations=3"])
+    RunDriver(more, run_dir, resume=True)._prepare_dir()  # more iterations is fine
+
+
+# ------------------------------------------------------------------------------ report
+
+@pytest.mark.slow
+def test_report_writes_pngs_and_summary(tmp_path, random_policy):
+    run_dir = tmp_path / "wist"
+    result = run_sptool(*scripted_args("wist", run_dir, random_policy), env=ENV)
+    assert result.returncode == 0, result.stderr
+    result = run_sptool("report", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    written = {p.name for p in (run_dir / "report").glob("*.png")}
+    assert {"rewards.png", "accuracy.png", "validity_novelty.png", "diversity.png",
+            "tree_posteriors.png"} <= written
+    for name in written:
+        assert (run_dir / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "recipe wist, 2 iteration(s)" in result.stdout
+    assert "rewards: solver:" in result.stdout and "tree posterior" in result.stdout
+
+
+def test_report_on_a_non_run_dir_is_a_usage_error(tmp_path):
+    result = run_sptool("report", str(tmp_path))
+    assert result.returncode == 2 and "metrics.jsonl" in result.stderr
+
+
+def test_report_series_average_per_iteration():
+    from sptool.report import series
+
+    lines = [{"iteration": 1, "stage": "q1-filter", "kind": "filter", "mean_reward": {"questioner": 0.2}},
+             {"iteration": 1, "stage": "s-filter", "kind": "filter", "mean_reward": {"questioner": 0.4, "solver": 1.0}},
+             {"iteration": 2, "stage": "s-verify", "kind": "verify", "accuracy": 0.5},
+             {"iteration": 2, "stage": "novelty", "kind": "novelty", "novel_rate": 0.25}]
+    result = series(lines)
+    assert result["rewards"]["questioner"][1] == pytest.approx(0.3)
+    assert result["rewards"]["solver"][1] == 1.0
+    assert result["accuracy"]["verify"][2] == 0.5
+    assert result["validity"]["novelty rate"][2] == 0.25
+
+
+# ------------------------------------------------------------------------------ real tiny model
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["rzero", "svs", "rquest", "wist"])
+def test_tiny_recipe_completes_with_the_real_model(recipe, tmp_path):
+    if os.environ.get("SPTOOL_SKIP_TINY_RUNS"):
+        pytest.skip("SPTOOL_SKIP_TINY_RUNS set")
+    run_dir = tmp_path / recipe
+    start = time.monotonic()
+    result = run_sptool("run", "--recipe", recipe, "--tiny", "--run-dir", str(run_dir), "--keep", "1",
+                        "--set", "run.iterations=1", env=ENV, timeout=900)
+    wall = time.monotonic() - start
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["order"][-1].endswith("train") or manifest["order"][-1].endswith("posterior-update")
+    print(f"\n{recipe} --tiny (1 iteration): {wall:.0f}s")
