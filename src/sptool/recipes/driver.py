@@ -46,8 +46,9 @@ Event = Callable[[dict], None]
 
 
 def stage_seed(run_seed: int, iteration: int, stage: str) -> int:
-    """The seed of one stage: a hash of (run seed, iteration, stage name), below 2**31."""
-    return int(content_id("stage-seed", run_seed, iteration, stage)[:8], 16) % (2 ** 31)
+    """The seed of one stage: a hash of (run seed, iteration, stage name), below 2**20 (stages
+    multiply seeds by batch numbers and backends again by large primes: keep within int64)."""
+    return int(content_id("stage-seed", run_seed, iteration, stage)[:8], 16) % (2 ** 20)
 
 
 def file_sha256(path: Path) -> str:
