@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One GPU session on the device machine (H200): install the carried wheels, rebuild the tiny
+# model from its two carried GGUF parts, then run the GPU benchmarks. Output lands in $OUT.
+set -uo pipefail
+cat /tmp/m/smol.gguf.part-aa .dev-carry/smol.gguf.part-ab > /tmp/smol.gguf
+echo "sha256 $(sha256sum /tmp/smol.gguf | cut -c1-64) expected $(cat .dev-carry/smol.gguf.sha256)"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev-carry/*.whl .dev-carry/wheels/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD/src HF_HUB_OFFLINE=1 SPTOOL_TINY_GGUF=/tmp/smol.gguf SPTOOL_CACHE=/tmp/sptool-cache
+python3 -c "from sptool.models.resolve import resolve_model; print(resolve_model('tiny'))" 2>&1 | tail -1
+for step in "$@"; do
+  echo "=== $step"
+  case "$step" in
+    gen-tiny) timeout 240 python3 benchmarks/generation.py --backend hf --device cuda --shape tiny --batch 64,256,1024 --max-tokens 256 --repeats 1 ;;
+    gen-tiny-static) timeout 300 python3 benchmarks/generation.py --backend hf --device cuda --shape tiny --batch 256 --max-tokens 256 --repeats 1 --static-cache --compile ;;
+    gen-06b) timeout 240 python3 benchmarks/generation.py --backend hf --device cuda --shape 0.6b --batch 64,256 --max-tokens 256 --repeats 1 ;;
+    train) timeout 240 python3 benchmarks/train_step.py --device cuda --shape 0.5b ;;
+    train-tiny) timeout 120 python3 benchmarks/train_step.py --device cuda --shape tiny ;;
+    solve) timeout 200 python3 benchmarks/solve_vs_generate.py --device cuda --questions 64 -k 4 --batch 256 --max-tokens 256 --repeats 1 ;;
+    gpu-tests) timeout 300 python3 -m pytest -q -m gpu cli_tests -p no:cacheprovider ;;
+    *) bash -c "$step" ;;
+  esac 2>&1 | grep -vE "Warning|warn\(|^\s*$" | tail -40
+done
