@@ -164,6 +164,13 @@ def samples_of(record: dict) -> list[dict]:
     return samples
 
 
+def finish_reasons_of(items: list[dict]) -> list | None:
+    """Each completion's ``finish_reason`` ("stop"/"length") when every one carries it."""
+    if items and all(item.get("finish_reason") in ("stop", "length") for item in items):
+        return [item["finish_reason"] for item in items]
+    return None
+
+
 def sample_logprobs(samples: list[dict]) -> list | None:
     if samples and all(isinstance(s.get("logprobs"), list) for s in samples):
         return [s["logprobs"] for s in samples]
@@ -226,7 +233,7 @@ class FilterStage(Stage):
 
     def group(self, role: str, prompt: Any, completions: list[str], rewards: list[float], *,
               sources: list[dict], group_id: Any = None, old_logprobs: list | None = None,
-              **extra: Any) -> dict:
+              finish_reasons: list | None = None, **extra: Any) -> dict:
         source_ids = [s.get("id") for s in sources]
         record = {
             "id": content_id("group", self.recipe, role, source_ids, prompt, completions),
@@ -240,6 +247,9 @@ class FilterStage(Stage):
         }
         if old_logprobs is not None:
             record["old_logprobs"] = old_logprobs
+        if finish_reasons is not None and len(finish_reasons) == len(completions):
+            # train-step appends EOS only to completions that stopped, not to truncated ones
+            record["finish_reasons"] = finish_reasons
         record["source_ids"] = source_ids
         record["group_id"] = group_id
         for key in LINEAGE_FIELDS:
@@ -260,7 +270,7 @@ class FilterStage(Stage):
         return self.group("solver", prompt, [s["text"] for s in samples], rewards,
                           sources=[record], group_id=record.get("group_id"),
                           old_logprobs=sample_logprobs(samples), question=record.get("question"),
-                          **extra)
+                          finish_reasons=finish_reasons_of(samples), **extra)
 
     def generator_group(self, role: str, members: list[dict], rewards: list[float],
                         **extra: Any) -> dict | None:
@@ -277,7 +287,8 @@ class FilterStage(Stage):
         logprobs = ([m["logprobs"] for m in members]
                     if all(isinstance(m.get("logprobs"), list) for m in members) else None)
         return self.group(role, prompts[0], [m["raw"] for m in members], rewards, sources=members,
-                          group_id=members[0].get("group_id"), old_logprobs=logprobs, **extra)
+                          group_id=members[0].get("group_id"), old_logprobs=logprobs,
+                          finish_reasons=finish_reasons_of(members), **extra)
 
     def _without_verify_errors(self, records: list[dict]) -> list[dict]:
         kept = []
