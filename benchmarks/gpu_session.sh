@@ -16,6 +16,9 @@ for step in "$@"; do
     train) timeout 240 python3 benchmarks/train_step.py --device cuda --shape 0.5b ;;
     train-tiny) timeout 120 python3 benchmarks/train_step.py --device cuda --shape tiny ;;
     solve) timeout 200 python3 benchmarks/solve_vs_generate.py --device cuda --questions 64 -k 4 --batch 256 --max-tokens 256 --repeats 1 ;;
+    eval-before) timeout 200 python3 -m sptool.cli.main eval -m tiny -k 4 --pass-at 1,4 --max-tokens 192 --device cuda --workers 8 fixtures/bench/addition_heldout.jsonl ;;
+    svs-run) timeout ${RUN_TIMEOUT:-420} python3 -m sptool.cli.main run --recipe svs --data fixtures/addition_train.jsonl --run-dir /tmp/svs-gpu ${RESUME:-} -n ${ITERS:-30} --set svs.problems=64 --set svs.samples=8 --set svs.variants=2 --set svs.max_solutions=1 --set generation.max_tokens=192 --set train.learning_rate=1e-5 --set train.loss=dr_grpo --set model.device=cuda --set model.gen_batch_size=1024 --set verify.workers=8 --set train.max_tokens_per_micro_batch=32768 ;;
+    eval-after) ck=$(ls -d /tmp/svs-gpu/ckpt/*/step-* | sort -V | tail -1); echo "checkpoint $ck"; timeout 200 python3 -m sptool.cli.main eval -m "$ck" -k 4 --pass-at 1,4 --max-tokens 192 --device cuda --workers 8 fixtures/bench/addition_heldout.jsonl; cp /tmp/svs-gpu/metrics.jsonl $OUT/ 2>/dev/null; python3 -m sptool.cli.main report /tmp/svs-gpu 2>&1 | tail -15; cp /tmp/svs-gpu/report/*.png $OUT/ 2>/dev/null ;;
     gpu-tests) timeout 300 python3 -m pytest -q -m gpu cli_tests -p no:cacheprovider ;;
     *) bash -c "$step" ;;
   esac 2>&1 | grep -vE "Warning|warn\(|^\s*$" | tail -40
