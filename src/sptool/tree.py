@@ -74,11 +74,6 @@ def slide_window(window: Sequence[int], g: int, size: int) -> list[int]:
     return ([*window, int(g)])[-size:] if size > 0 else []
 
 
-def gaussian_variance_reward(var: float, sigma: float = 0.02) -> float:
-    """WIST challenger reward of a valid QA (eq. 14): exp(−(Var − 0.25)² / σ)."""
-    return math.exp(-((var - 0.25) ** 2) / sigma)
-
-
 def group_learnability_observation(max_challenger_reward: float,
                                    threshold: float = REFERENCE_GROUP_THRESHOLD) -> int:
     """Reference code's path-level rule: g = 1(max challenger reward in the group > 0.4)."""
@@ -723,6 +718,8 @@ class PosteriorUpdateStage(Stage):
                         yield record
                         continue
                     else:
+                        from sptool.rewards import gaussian_variance_reward
+
                         reward = gaussian_variance_reward(float(record["var"]), self.sigma)
                 key = "group:" + str(record.get("group_id") or record["path_id"])
                 group = groups.setdefault(key, {"nodes": nodes, "max": -math.inf})
