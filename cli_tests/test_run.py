@@ -46,7 +46,13 @@ def scripted_args(recipe: str, run_dir: Path, policy: str, *extra: str) -> list[
     args = ["run", "--recipe", recipe, "--tiny", "--run-dir", str(run_dir), "--backend", "scripted",
             "-m", policy, "--set", f'model.script="{SCRIPT}"', "--keep", "1", "-q"]
     if recipe == "svs":
-        args += ["--data", str(FIXTURES / "svs_train.jsonl")]
+        # all 16 problems: the scripted solver answers 42, right only for "What is 12 + 30?", which
+        # a 3-problem sample may miss (then no problem is in band and nothing trains)
+        args += ["--data", str(FIXTURES / "svs_train.jsonl"), "--set", "svs.problems=16"]
+    if recipe == "rquest":
+        # replay adds round(n_solver · share / (1 − share)) validity groups: with the tiny run's
+        # few solver groups, the paper's 10% rounds to none; 50% gives one per solver group
+        args += ["--set", "rquest.replay_share=0.5"]
     return args + list(extra)
 
 

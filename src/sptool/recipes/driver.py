@@ -312,17 +312,22 @@ class RunDriver:
             self.on_event(event)
 
     @staticmethod
-    def kill_point(key: str, point: str) -> None:
-        """Test hook: ``SPTOOL_TEST_KILL_AT=[ITER/]STAGE:POINT`` kills this process with SIGKILL."""
+    def kill_requested(key: str, point: str) -> bool:
+        """Test hook: does ``SPTOOL_TEST_KILL_AT=[ITER/]STAGE:POINT`` name this stage and point?"""
         spec = os.environ.get(KILL_ENV)
         if not spec:
-            return
+            return False
         where, _, wanted = spec.rpartition(":")
         iteration, stage = key.split("/")
         name = stage.split("-", 1)[1]
         targets = {stage, name, f"{iteration}/{stage}", f"{iteration}/{name}",
                    f"{int(iteration.split('-')[1])}/{name}"}
-        if wanted == point and where in targets:
+        return wanted == point and where in targets
+
+    @classmethod
+    def kill_point(cls, key: str, point: str) -> None:
+        """Test hook: SIGKILL this process at the point ``SPTOOL_TEST_KILL_AT`` names."""
+        if cls.kill_requested(key, point):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _prepare_dir(self) -> None:
@@ -593,9 +598,7 @@ class RunDriver:
             directory = self.run_dir / "ckpt" / role / f"step-{trainer.step:04d}"
             directory.parent.mkdir(parents=True, exist_ok=True)
             crash_env = None
-            spec = os.environ.get(KILL_ENV, "")
-            if spec.endswith(":checkpoint") and spec.rpartition(":")[0] in (ctx.key.split("/")[1],
-                                                                              ctx.name):
+            if self.kill_requested(ctx.key, "checkpoint"):
                 from sptool.train.checkpoint import CRASH_ENV
 
                 crash_env = CRASH_ENV
@@ -804,7 +807,6 @@ class RunDriver:
             specs.append(StageSpec(f"{prefix}train", "train", lambda c, p=prefix: self._train(
                 c, [g for g in c.output(f"{p}filter") if g.get("role") == "questioner"], ["questioner"])))
         last = block("s-", o["solver_questions"], novelty=False)
-        replay_extra: dict = {}
         if rquest and o["replay"]:
             specs.append(StageSpec("s-replay-solve", "solve", self.replay_solve))
             specs.append(StageSpec("s-replay-verify", "verify", lambda c: self._verify(
@@ -814,7 +816,6 @@ class RunDriver:
         specs.append(StageSpec("s-train", "train", lambda c: self._train(
             c, [g for g in c.output("s-filter") if g.get("role") != "questioner"], ["solver"],
             updates=o["solver_steps"])))
-        del replay_extra
         return specs
 
     def filter_extra(self, replay: str | None = None) -> dict:
