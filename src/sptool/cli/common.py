@@ -35,6 +35,14 @@ ModelOpt = typer.Option("tiny", "-m", "--model", envvar="SPTOOL_MODEL",
                         help="Hugging Face id, local HF directory, or 'tiny' (SmolLM2-135M-Instruct).")
 BackendOpt = typer.Option("hf", "--backend", envvar="SPTOOL_BACKEND",
                           help="Generation backend: hf, vllm, openai, scripted.")
+TemperatureOpt = typer.Option(1.0, "--temperature", help="Sampling temperature (0: greedy).")
+TopPOpt = typer.Option(1.0, "--top-p", help="Nucleus sampling mass.")
+NoChatTemplateOpt = typer.Option(False, "--no-chat-template", help="Prompt with plain text (base models).")
+GenBatchSizeOpt = typer.Option(64, "--gen-batch-size", help="Sequences per forward batch (hf backend).")
+DeviceOpt = typer.Option(None, "--device", envvar="SPTOOL_DEVICE",
+                         help="cpu, cuda, cuda:1 … (default: cuda when available).")
+DtypeOpt = typer.Option(None, "--dtype", help="auto, bf16, fp16, fp32.")
+LogprobsOpt = typer.Option(False, "--logprobs", help="Store per-token log-probabilities.")
 
 
 class Progress:
