@@ -419,16 +419,21 @@ class FilterStage(Stage):
                                      "repetition_penalty": penalty}
             yield from self._questioner_groups(batch, rewards, terms)
             for record in parsed:
-                p = verdict(record, "math", "majority_frac")
-                majority = verdict(record, "math", "majority")
-                if not R.keep_for_solver_training(p, majority, o.solver_band):
-                    reason = ("solver: empty majority" if R.in_band(p, o.solver_band)
-                              else f"solver: p outside [{o.solver_band[0]}, {o.solver_band[1]}]")
-                    self.drop(record, reason)
-                    continue
-                group = self._pseudo_label_solver_group(record, str(majority))
+                group = self._banded_solver_group(record, verdict(record, "math", "majority_frac"), "p")
                 if group is not None:
                     yield group
+
+    def _banded_solver_group(self, record: dict, agreement: float | None, symbol: str) -> dict | None:
+        """R-Zero/R-Quest solver data: kept when the majority agreement (p or s) is in the solver
+        band and the majority is non-empty; trained against the majority as pseudo-label."""
+        band = self.options.solver_band
+        majority = verdict(record, "math", "majority")
+        if not R.keep_for_solver_training(agreement, majority, band):
+            reason = ("solver: empty majority" if R.in_band(agreement, band)
+                      else f"solver: {symbol} outside [{band[0]}, {band[1]}]")
+            self.drop(record, reason)
+            return None
+        return self._pseudo_label_solver_group(record, str(majority))
 
     def process_rquest(self, records: Iterator[dict]) -> Iterator[dict]:
         o = self.options
@@ -468,13 +473,7 @@ class FilterStage(Stage):
                 solver_candidates.append((record, s))
             yield from self._questioner_groups(batch, rewards, terms)
             for record, s in solver_candidates:
-                majority = verdict(record, "math", "majority")
-                if not R.keep_for_solver_training(s, majority, o.solver_band):
-                    reason = ("solver: empty majority" if R.in_band(s, o.solver_band)
-                              else f"solver: s outside [{o.solver_band[0]}, {o.solver_band[1]}]")
-                    self.drop(record, reason)
-                    continue
-                group = self._pseudo_label_solver_group(record, str(majority))
+                group = self._banded_solver_group(record, s, "s")
                 if group is not None:
                     yield group
 
