@@ -230,6 +230,29 @@ def test_svs_three_kinds_of_data(cli, tmp_path):
     assert "synthesis: no variant of this solution in the band" in rejected.values()
 
 
+def test_svs_format_weight_gives_a_weak_solver_a_signal(cli, tmp_path):
+    """w > 0 (off by default, as in the paper): (1 − w)·correct + w·format, and a group trains when
+    its rewards differ, so a problem nobody solves still teaches the \\boxed{} format."""
+    original = read_jsonl(FIXTURES / "verified_svs.jsonl")[0]
+    unsolved_some_boxed = {**original, "id": "boxed-some", "p_hat": 0.0, "samples": [
+        {**sample, "answer": answer, "correct": False}
+        for sample, answer in zip(original["samples"], ["41", None, "40", None])]}
+    unsolved_all_boxed = {**original, "id": "boxed-all", "p_hat": 0.0, "samples": [
+        {**sample, "answer": "41", "correct": False} for sample in original["samples"]]}
+    data = tmp_path / "verified.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (original, unsolved_some_boxed, unsolved_all_boxed)))
+    groups, rejected = run_filter(cli, tmp_path, "--recipe", "svs", data)
+    assert [g["source_ids"] for g in groups] == [["sv1"]]                  # the paper: binary, 0 < Acc < 1
+    assert groups[0]["rewards"] == [1.0, 0.0, 1.0, 0.0]
+    assert rejected["boxed-some"] == "solver: original Acc is 0 or 1"
+    groups, rejected = run_filter(cli, tmp_path, "--recipe", "svs", "--format-weight", "0.1", data)
+    rewards = {g["source_ids"][0]: g["rewards"] for g in groups}
+    assert rewards == {"sv1": [1.0, 0.1, 1.0, 0.1], "boxed-some": [0.1, 0.0, 0.1, 0.0]}
+    assert rejected["boxed-all"] == "solver: original rewards all equal (same correctness and format)"
+    advantages = {g["source_ids"][0]: g["advantages"] for g in groups}
+    assert advantages["boxed-some"] == pytest.approx([0.05, -0.05, 0.05, -0.05])   # Dr. GRPO: r − mean
+
+
 # ------------------------------------------------------------------ shell pipelines (scripted backend)
 
 def test_pipeline_wist_with_logprobs(tmp_path):

@@ -205,6 +205,14 @@ def test_svs_bands_and_synthesis_reward():
 
 # ------------------------------------------------------------------ advantages
 
+def test_rewards_differ_is_the_nonzero_advantage_gate():
+    assert R.rewards_differ([1.0, 0.0]) and R.rewards_differ([0.1, 0.0, 0.0])
+    assert not R.rewards_differ([0.1, 0.1, 0.1]) and not R.rewards_differ([1.0]) and not R.rewards_differ([])
+    for rewards in ([0.0, 1.0, 1.0], [0.1, 0.1], [1.0, 0.1, 0.0]):
+        # the gate keeps a group exactly when some Dr. GRPO advantage r_i - mean(r) is non-zero
+        assert R.rewards_differ(rewards) == any(a != 0 for a in R.group_advantages(rewards, "dr_grpo"))
+
+
 def test_group_advantages():
     assert R.group_advantages([1, 0, 0, 1]) == [0.5, -0.5, -0.5, 0.5]
     # GRPO: sample std sqrt(4 * 0.25 / 3) = 0.57735

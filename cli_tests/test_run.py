@@ -307,6 +307,43 @@ def test_report_writes_pngs_and_summary(tmp_path, random_policy):
     assert "rewards: solver:" in result.stdout and "tree posterior" in result.stdout
 
 
+@pytest.mark.slow
+def test_held_out_eval_before_during_and_after_the_run(tmp_path, random_policy):
+    """``--eval``: greedy, mean@k and pass@k of the current weights before iteration 1 and after
+    every ``--eval-every`` iterations, in metrics.jsonl and the report's heldout.png."""
+    bench = tmp_path / "held_out.jsonl"
+    bench.write_text('{"id": "h1", "question": "What is 12 + 30?", "answer": "42"}\n'
+                     '{"id": "h2", "question": "What is 90 + 90?", "answer": "180"}\n')
+    run_dir = tmp_path / "svs"
+    result = run_sptool(*scripted_args("svs", run_dir, random_policy), "--eval", str(bench),
+                        "--eval-every", "1", env=ENV)
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    stages = [key.split("/")[1].split("-", 1)[1] for key in manifest["order"]]
+    assert stages[0] == "eval-before" and stages.count("eval") == 2 and stages[-1] == "eval"
+    evals = [line for line in read_jsonl(run_dir / "metrics.jsonl") if line["kind"] == "eval"]
+    assert [line["after_iteration"] for line in evals] == [0, 1, 2]
+    # the scripted solver's samples cycle 42, 180, 42, 7 and its greedy answer is the first, 42:
+    # h1 2/4 right, h2 1/4; mean@4 = pass@1 = (1/2 + 1/4)/2; pass@4 = 1; greedy 1 of 2
+    for line in evals:
+        assert line["benchmarks"]["held_out"] == pytest.approx(
+            {"greedy": 0.5, "mean@k": 0.375, "pass@1": 0.375, "pass@4": 1.0})
+    result = run_sptool("report", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert (run_dir / "report" / "heldout.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "heldout: held_out greedy: 0.500 (iter 0) -> 0.500 (iter 2)" in result.stdout
+
+
+def test_bad_held_out_benchmark_fails_before_the_run_starts(tmp_path, random_policy):
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n{"question": "What is 2 + 2?"}\n')
+    run_dir = tmp_path / "svs"
+    result = run_sptool(*scripted_args("svs", run_dir, random_policy), "--eval", str(bench), env=ENV)
+    assert result.returncode == 2
+    assert f"{bench}:2: field 'answer'" in result.stderr and "Traceback" not in result.stderr
+    assert not run_dir.exists()
+
+
 def test_report_on_a_non_run_dir_is_a_usage_error(tmp_path):
     result = run_sptool("report", str(tmp_path))
     assert result.returncode == 2 and "metrics.jsonl" in result.stderr

@@ -60,9 +60,10 @@ class BenchmarkResult:
 def evaluate_benchmark(name: str, records: Iterable[dict], backend: Backend, *, samples: int = 8,
                        ks: tuple[int, ...] = (1, 8), params: SamplingParams | None = None,
                        greedy: bool = True, workers: int = 2, deadline_s: float = 30.0,
-                       batch_size: int = 16) -> tuple[BenchmarkResult, list[dict]]:
+                       batch_size: int = 16, verifier: VerifyStage | None = None
+                       ) -> tuple[BenchmarkResult, list[dict]]:
     """Sample ``samples`` solutions per problem, grade them, aggregate. Returns the result and the
-    graded records (so a caller can keep them)."""
+    graded records (so a caller can keep them). A caller's ``verifier`` is used and left open."""
     params = params or SamplingParams()
     bad_ks = [k for k in ks if k > samples]
     if bad_ks:
@@ -73,7 +74,9 @@ def evaluate_benchmark(name: str, records: Iterable[dict], backend: Backend, *, 
             raise UsageError(f"benchmark '{name}': every problem needs an 'answer' "
                              f"(problem {record.get('id') or record['question'][:30]!r} has none)")
     result = BenchmarkResult(name=name, problems=len(problems), samples_per_problem=samples)
-    verifier = VerifyStage(workers=workers, deadline_s=deadline_s)
+    own_verifier = verifier is None
+    if own_verifier:
+        verifier = VerifyStage(workers=workers, deadline_s=deadline_s)
     try:
         solved = list(SolveStage(backend, samples=samples, params=params,
                                  batch_size=batch_size).run(iter(problems)))
@@ -95,7 +98,8 @@ def evaluate_benchmark(name: str, records: Iterable[dict], backend: Backend, *, 
             for record, greedy_record in zip(graded, greedy_graded):
                 record["greedy"] = greedy_record["samples"][0]
     finally:
-        verifier.close()
+        if own_verifier:
+            verifier.close()
     return result, graded
 
 

@@ -24,7 +24,9 @@ Recipes (every formula lives in :mod:`sptool.rewards`):
   validity set (solved in validity mode, verified) into validity groups.
 - ``svs`` — original problems with 0 < Acc < 1 → solver groups; variants (``origin:
   synthesis``, contiguous by ``group_id`` = one correct solution) → a synthesis group kept only
-  when some variant's accuracy is in the band, and variant solver groups with 0 < Acc < 1.
+  when some variant's accuracy is in the band, and variant solver groups with 0 < Acc < 1. With
+  ``format_weight`` w > 0 (not the paper's) the solver reward is (1 − w)·correct + w·format and a
+  group is kept when its rewards differ, which for w = 0 is exactly 0 < Acc < 1.
 
 What a recipe does not use is handed to :meth:`Stage.drop` with a reason prefixed by the use it
 was dropped from (``solver:``, ``synthesis:``, …), so ``--rejects`` shows every decision. A record
@@ -44,6 +46,9 @@ from sptool.records import InputError, UsageError, content_id
 from sptool.stage import Stage
 
 RECIPES = ("wist", "rzero", "rquest", "svs")
+# Solver reward (1 − w)·correct + w·format: R-Zero/R-Quest add a 0.1 format term; SvS (Eq. 4) and
+# WIST (Eq. 13) use binary correctness, so their w defaults to 0.
+DEFAULT_FORMAT_WEIGHT = {"rzero": 0.1, "rquest": 0.1, "svs": 0.0}
 ADVANTAGES = ("dr_grpo", "grpo")
 ROLES = ("solver", "challenger", "questioner", "synthesis", "validity")
 # Where `challenge` keeps the exact chat messages that produced a generated question.
@@ -68,7 +73,7 @@ class FilterOptions:
     bleu_pairing: str = "mean"
     clip_questioner_reward: bool = False  # R-Zero paper's max(0, ·)
     solver_band: tuple[float, float] = R.RZERO_SOLVER_BAND
-    format_weight: float = 0.1
+    format_weight: float | None = None    # solver (1−w)·correct + w·format; None: the recipe's default
     replay: str | None = None
     replay_share: float = 0.1
     validity_init: bool = False
@@ -92,6 +97,8 @@ class FilterOptions:
             raise UsageError(f"--uncertainty must be paper or reference, got '{self.uncertainty}'")
         if self.bleu_pairing not in ("mean", "reference"):
             raise UsageError(f"--bleu-pairing must be mean or reference, got '{self.bleu_pairing}'")
+        if self.format_weight is None:
+            self.format_weight = DEFAULT_FORMAT_WEIGHT.get(recipe, 0.0)
         if not 0 <= self.format_weight <= 1:
             raise UsageError(f"--format-weight must be in [0, 1], got {self.format_weight}")
         if not 0 <= self.replay_share < 1:
@@ -554,11 +561,19 @@ class FilterStage(Stage):
         return record.get("origin") == "synthesis" or bool(record.get("synthesis_prompt"))
 
     def _svs_solver(self, record: dict, what: str) -> dict | None:
-        acc = record.get("p_hat")
-        if not R.svs_keep_original(acc):
-            self.drop(record, f"solver: {what} Acc is 0 or 1")
-            return None
-        rewards = [R.binary_correctness_reward(s.get("correct")) for s in samples_of(record)]
+        weight = self.options.format_weight
+        samples = samples_of(record)
+        if not weight:
+            if not R.svs_keep_original(record.get("p_hat")):
+                self.drop(record, f"solver: {what} Acc is 0 or 1")
+                return None
+            rewards = [R.binary_correctness_reward(s.get("correct")) for s in samples]
+        else:
+            rewards = [R.pseudo_label_solver_reward(s.get("correct"), s.get("answer") is not None, weight)
+                       for s in samples]
+            if not R.rewards_differ(rewards):
+                self.drop(record, f"solver: {what} rewards all equal (same correctness and format)")
+                return None
         group = self.solver_group(record, rewards, variant=what == "variant")
         if group is not None:
             self._solver_side_groups += 1

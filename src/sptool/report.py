@@ -8,7 +8,9 @@ Plots, one file each (only those the run has data for):
 - ``validity_novelty.png``: the Γ/parse validity rate of generated questions, R-Quest's
   validity-gate pass rate and the novelty rate;
 - ``diversity.png``: distinct-question ratio and mean pairwise 1 − BLEU of the generated questions;
-- ``tree_posteriors.png`` (WIST): each tree node's posterior mean after every posterior update.
+- ``tree_posteriors.png`` (WIST): each tree node's posterior mean after every posterior update;
+- ``heldout.png``: greedy accuracy, mean@k and pass@k on the ``--eval`` benchmarks, before training
+  (iteration 0) and after the evaluated iterations.
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ def series(lines: list[dict]) -> dict[str, dict[str, dict[int, float]]]:
         elif kind == "novelty":
             if line.get("novel_rate") is not None:
                 raw["validity"]["novelty rate"][it].append(line["novel_rate"])
+        elif kind == "eval":
+            after = line.get("after_iteration", it)
+            for name, values in (line.get("benchmarks") or {}).items():
+                for metric, value in values.items():
+                    if value is not None:
+                        raw["heldout"][f"{name} {metric}"][after].append(value)
         elif kind == "posterior-update":
             for node in line.get("tree") or []:
                 raw["tree"][f"{node['label']} (d{node['depth']})"][it].append(node["mean"])
@@ -75,9 +83,10 @@ TITLES = {
     "validity": ("Validity and novelty of generated questions", "rate"),
     "diversity": ("Question diversity", "value"),
     "tree": ("WIST tree: posterior mean per node", "posterior mean α̃/(α̃+β̃)"),
+    "heldout": ("Held-out benchmarks (iteration 0: before training)", "accuracy"),
 }
 FILES = {"rewards": "rewards.png", "accuracy": "accuracy.png", "validity": "validity_novelty.png",
-         "diversity": "diversity.png", "tree": "tree_posteriors.png"}
+         "diversity": "diversity.png", "tree": "tree_posteriors.png", "heldout": "heldout.png"}
 
 
 def write_plots(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
@@ -106,8 +115,8 @@ def write_plots(run_dir: str | Path, out_dir: str | Path | None = None) -> list[
         axes.set_xlabel("iteration")
         axes.set_ylabel(ylabel)
         axes.grid(alpha=0.3)
-        iterations = sorted({line["iteration"] for line in lines})
-        if iterations:
+        iterations = sorted({it for points in labels.values() for it in points})
+        if 0 < len(iterations) <= 30:
             axes.set_xticks(iterations)
         if plot != "rewards" and plot != "tree":
             axes.set_ylim(-0.05, 1.05)

@@ -323,6 +323,12 @@ def svs_keep_original(acc: float | None) -> bool:
     return acc is not None and 0.0 < acc < 1.0
 
 
+def rewards_differ(rewards: Sequence[float]) -> bool:
+    """Does the group carry a policy gradient? Its advantages r_i − mean(r) (Dr. GRPO) are all
+    zero exactly when every reward is equal; for binary rewards this is SvS's 0 < Acc < 1."""
+    return len(rewards) > 1 and max(rewards) > min(rewards)
+
+
 def svs_is_underperforming(acc: float | None,
                            band: tuple[float, float] = SVS_UNDERPERFORMING_BAND) -> bool:
     """SvS §3.3: a challenging problem has Acc(x) ∈ [acc_l, acc_h] = [12.5%, 50%] (§4); its

@@ -39,8 +39,10 @@ def filter_command(
                                                      "R-Zero paper."),
     solver_band: str = typer.Option("0.3,0.8", "--solver-band",
                                     help="rzero/rquest: keep solver data with LOW <= p <= HIGH."),
-    format_weight: float = typer.Option(0.1, "--format-weight",
-                                        help="rzero/rquest: solver reward (1-w)*correct + w*format."),
+    format_weight: Optional[float] = typer.Option(
+        None, "--format-weight",
+        help="Solver reward (1-w)*correct + w*format (a boxed answer). Default 0.1 for rzero/rquest, "
+             "0 for svs (the paper's binary reward; w > 0 keeps groups whose rewards differ)."),
     replay: Optional[str] = typer.Option(None, "--replay",
                                          help="rquest: solved+verified validity set to replay as "
                                               "validity groups."),

@@ -53,6 +53,9 @@ class RunProgress:
             self._update(None)
             common.err_console.print(f"  {event['stage']}: {event['records']} records in "
                                      f"{event['wall_s']:.1f}s", markup=False)
+            for name, values in ((event.get("metrics") or {}).get("benchmarks") or {}).items():
+                shown = ", ".join(f"{key} {value:.3f}" for key, value in values.items() if value is not None)
+                common.err_console.print(f"  held-out {name}: {shown}", markup=False)
         elif kind == "stage-skipped":
             common.err_console.print(f"  {event['stage']}: done before ({event['records']} records, "
                                      f"read back)", markup=False, style="dim")
@@ -90,19 +93,25 @@ def run(
     backend: Optional[str] = typer.Option(None, "--backend", help="Generation backend (model.backend): hf, scripted, vllm, openai."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Run seed (run.seed)."),
     keep: Optional[int] = typer.Option(None, "--keep", help="Checkpoints kept per role (run.keep; 0 = all)."),
+    eval_files: List[str] = typer.Option([], "--eval", help="Held-out benchmark JSONL (question, answer), "
+                                         "evaluated before the first and after the last iteration "
+                                         "(eval.benchmarks; repeatable)."),
+    eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Also evaluate after every N-th "
+                                             "iteration (eval.every)."),
     quiet: bool = common.QuietOpt,
 ) -> None:
     """Run a recipe's self-play loop: stages in one process, outputs and checkpoints in a run directory.
 
     Examples: sptool run --recipe rzero --tiny | sptool run --recipe svs --data problems.jsonl
-    --set svs.problems=64 | sptool run --recipe wist --run-dir runs/w1 --resume
+    --set svs.problems=64 --eval held_out.jsonl --eval-every 5 | sptool run --recipe wist --run-dir runs/w1 --resume
     """
     from sptool.recipes import load_config
     from sptool.recipes.driver import RunDriver
     from sptool.records import UsageError
 
     shortcuts = [(iterations, "run.iterations"), (data, "svs.data"), (model, "model.policy"),
-                 (backend, "model.backend"), (seed, "run.seed"), (keep, "run.keep")]
+                 (backend, "model.backend"), (seed, "run.seed"), (keep, "run.keep"),
+                 (",".join(eval_files) or None, "eval.benchmarks"), (eval_every, "eval.every")]
     extra = []
     for value, key in shortcuts:
         if value is None:

@@ -58,6 +58,12 @@ COMMON_SCHEMA: dict[str, dict[str, Any]] = {
         "workers": 2,
         "deadline_s": 30.0,
     },
+    "eval": {
+        "benchmarks": "",         # held-out JSONL files (question, answer), comma-separated; empty: off
+        "every": 0,               # also evaluate after every N-th iteration (0: before and after only)
+        "samples": 4,             # sampled solutions per problem (mean@k, pass@k); greedy is extra
+        "max_tokens": 0,          # 0: generation.max_tokens
+    },
 }
 
 RECIPE_SCHEMA: dict[str, dict[str, Any]] = {
@@ -98,6 +104,7 @@ RECIPE_SCHEMA: dict[str, dict[str, Any]] = {
         "synthesis_band": [0.125, 0.625],
         "negative_synthesis": False,
         "max_solutions": 8,
+        "format_weight": 0.0,     # solver reward (1-w)·correct + w·format; 0 = the paper's binary reward
     },
     "rzero": {
         "questions": 512,         # questioner candidates per step
@@ -307,6 +314,11 @@ def check_values(config: dict, recipe: str) -> None:
     for key, value in positive:
         if value < 1:
             raise UsageError(f"key '{key}': must be >= 1, got {value}")
+    if config["eval"]["every"] < 0 or config["eval"]["samples"] < 1 or config["eval"]["max_tokens"] < 0:
+        raise UsageError("keys 'eval.every', 'eval.max_tokens' must be >= 0 and 'eval.samples' >= 1, got "
+                         f"{config['eval']['every']}, {config['eval']['max_tokens']}, {config['eval']['samples']}")
+    if not 0 <= own.get("format_weight", 0.0) <= 1:
+        raise UsageError(f"key '{recipe}.format_weight': must be in [0, 1], got {own['format_weight']}")
     if config["run"]["keep"] < 0:
         raise UsageError(f"key 'run.keep': must be >= 0, got {config['run']['keep']}")
     for key in ("band", "synthesis_band", "solver_band"):

@@ -147,6 +147,10 @@ def stage_metrics(kind: str, records: list[dict]) -> dict:
         metrics["roles"] = {r["role"]: {k: v for k, v in (r.get("metrics") or {}).items()
                                         if isinstance(v, (int, float)) and not isinstance(v, bool)}
                             for r in records}
+    elif kind == "eval":
+        metrics["after_iteration"] = records[0]["after_iteration"] if records else None
+        metrics["benchmarks"] = {r["benchmark"]: {"greedy": r.get("greedy_accuracy"), "mean@k": r.get("mean_at_k"),
+                                                  **(r.get("pass_at") or {})} for r in records}
     elif kind == "corpus-fetch":
         metrics["documents"] = len(records)
         metrics["leaves"] = len({r.get("leaf") for r in records})
@@ -298,6 +302,7 @@ class RunDriver:
         self._judge = None
         self._verifier = None
         self._encoder = None
+        self._eval_sets: list[tuple[str, list[dict]]] | None = None
         self.tree: dict | None = None
         self.manifest: dict = {}
 
@@ -434,8 +439,54 @@ class RunDriver:
     # -- the loop ---------------------------------------------------------------------------
 
     def plan(self, iteration: int) -> list[StageSpec]:
-        return {"wist": self.plan_wist, "svs": self.plan_svs, "rzero": self.plan_rzero,
-                "rquest": self.plan_rzero}[self.recipe](iteration)
+        """The iteration's stages; with ``eval.benchmarks``, a held-out evaluation before the first
+        iteration and after every ``eval.every``-th and the last one."""
+        specs = {"wist": self.plan_wist, "svs": self.plan_svs, "rzero": self.plan_rzero,
+                 "rquest": self.plan_rzero}[self.recipe](iteration)
+        if self.eval_sets():
+            every = self.config["eval"]["every"]
+            if iteration == 1:
+                specs.insert(0, StageSpec("eval-before", "eval", lambda c: self.evaluate(c, 0)))
+            if iteration == self.config["run"]["iterations"] or (every and iteration % every == 0):
+                specs.append(StageSpec("eval", "eval", lambda c: self.evaluate(c, iteration)))
+        return specs
+
+    def eval_sets(self) -> list[tuple[str, list[dict]]]:
+        """The held-out benchmarks of ``eval.benchmarks`` (read and checked once, at the start)."""
+        if self._eval_sets is None:
+            from sptool.jsonl import read_records
+            from sptool.records import QUESTION
+
+            self._eval_sets = []
+            for path in [p.strip() for p in self.config["eval"]["benchmarks"].split(",") if p.strip()]:
+                if not Path(path).is_file():
+                    raise UsageError(f"eval.benchmarks: {path}: no such file")
+                problems = list(read_records(path, QUESTION))
+                for number, record in enumerate(problems, 1):
+                    if record.get("answer") in (None, ""):
+                        raise UsageError(f"{path}:{number}: field 'answer': a held-out benchmark "
+                                         "needs reference answers")
+                if not problems:
+                    raise UsageError(f"eval.benchmarks: {path}: no problems")
+                self._eval_sets.append((Path(path).name.split(".")[0], problems))
+        return self._eval_sets
+
+    def evaluate(self, ctx: StageContext, after_iteration: int) -> list[dict]:
+        """Greedy accuracy, mean@k and pass@k of the current solver weights on each benchmark."""
+        from sptool.evaluate import evaluate_benchmark
+
+        e = self.config["eval"]
+        backend = self.policy("solver").backend
+        out = []
+        for name, problems in self.eval_sets():
+            result, _ = evaluate_benchmark(
+                name, problems, backend, samples=e["samples"], ks=tuple(sorted({1, e["samples"]})),
+                params=self.params(ctx.seed, e["max_tokens"] or None), verifier=self.verifier(False),
+                batch_size=16)
+            out.append({"id": content_id("eval", name, after_iteration), "benchmark": name,
+                        "after_iteration": after_iteration, **result.as_dict()})
+            ctx.advance()
+        return out
 
     def _restore_state(self) -> None:
         """Latest checkpoint per role and latest tree, from the finished stages."""
@@ -462,6 +513,7 @@ class RunDriver:
                                      window_size=self.own["window"], max_children=self.own["max_children"])
 
     def run(self) -> dict:
+        self.eval_sets()  # a bad benchmark file fails here, before the run directory or a model
         self._prepare_dir()
         self._restore_state()
         iterations = self.config["run"]["iterations"]
@@ -539,7 +591,7 @@ class RunDriver:
         self._save_manifest()
         self.kill_point(key, "done")
         self.emit({"event": "stage-done", "stage": key, "iteration": iteration, "records": len(records),
-                   "wall_s": wall})
+                   "wall_s": wall, "metrics": metrics})
         return records
 
     # -- shared stage bodies ----------------------------------------------------------------
@@ -724,7 +776,8 @@ class RunDriver:
                     c, c.output("solve-variants"), False, only=lambda r: bool(r.get("samples")))),
                 StageSpec("filter", "filter", lambda c: self._filter(
                     c, c.output("verify") + c.output("verify-variants"),
-                    synthesis_band=tuple(o["synthesis_band"]), negative_synthesis=o["negative_synthesis"])),
+                    synthesis_band=tuple(o["synthesis_band"]), negative_synthesis=o["negative_synthesis"],
+                    format_weight=o["format_weight"])),
                 StageSpec("train", "train", lambda c: self._train(c, c.output("filter"), self.roles()))]
 
     def svs_data(self) -> list[dict]:
