@@ -68,7 +68,8 @@ def series(lines: list[dict]) -> dict[str, dict[str, dict[int, float]]]:
             after = line.get("after_iteration", it)
             for name, values in (line.get("benchmarks") or {}).items():
                 for metric, value in values.items():
-                    if value is not None:
+                    # the unbiased pass@1 is mean@k by definition: one line, not two on top of each other
+                    if value is not None and not (metric == "pass@1" and "mean@k" in values):
                         raw["heldout"][f"{name} {metric}"][after].append(value)
         elif kind == "posterior-update":
             for node in line.get("tree") or []:

@@ -166,9 +166,8 @@ def tree_summary(tree: dict) -> list[dict]:
 
 # ---------------------------------------------------------------------------------- models
 
-def _shared_backend(trainer, chat_template: bool, static_cache: bool = False):
-    """An ``hf`` generation backend over the trainer's own policy (no copy, always fresh).
-    ``static_cache``: a pre-allocated KV cache (faster decoding on GPU, no compile)."""
+def _shared_backend(trainer, chat_template: bool):
+    """An ``hf`` generation backend over the trainer's own policy (no copy, always fresh)."""
     from sptool.models.hf import HFBackend, load_tokenizer
 
     class SharedPolicyBackend(HFBackend):
@@ -186,9 +185,6 @@ def _shared_backend(trainer, chat_template: bool, static_cache: bool = False):
             self.tokenizer.padding_side = "left"
             self._torch = torch
             self.generate_options = {}
-            if static_cache:
-                self.generate_options["cache_implementation"] = "static"
-                self.model.generation_config.disable_compile = True
 
         def generate(self, prompts, n, params):
             self.model.eval()
@@ -230,7 +226,7 @@ class Policy:
         if self._backend is None:
             c = self.driver.config["model"]
             if c["backend"] == "hf":
-                self._backend = _shared_backend(self.trainer, c["chat_template"], c["static_cache"])
+                self._backend = _shared_backend(self.trainer, c["chat_template"])
                 self._backend.batch_size = c["gen_batch_size"]
             else:
                 self._backend = self.driver.load_generator(self.start)
@@ -405,10 +401,8 @@ class RunDriver:
         c = self.config["model"]
         if c["backend"] == "scripted":
             return load_backend("scripted", c["script"] or "scripted")
-        extra = {"static_cache": True} if c["backend"] == "hf" and c["static_cache"] else {}
         return load_backend(c["backend"], model, device=c["device"] or None, dtype=c["dtype"] or None,
-                            batch_size=c["gen_batch_size"], chat_template=c["chat_template"], log=self.say,
-                            **extra)
+                            batch_size=c["gen_batch_size"], chat_template=c["chat_template"], log=self.say)
 
     @property
     def judge(self):
