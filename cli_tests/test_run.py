@@ -289,6 +289,25 @@ def test_resume_refuses_changed_configuration(tmp_path, random_policy):
     RunDriver(more, run_dir, resume=True)._prepare_dir()  # more iterations is fine
 
 
+def test_resume_accepts_a_run_saved_before_a_key_existed(tmp_path):
+    """A run directory written before the [eval] section existed resumes when the new keys keep
+    their defaults, and is refused when one is set."""
+    from sptool.recipes import load_config
+    from sptool.recipes.driver import MANIFEST, RunDriver
+    from sptool.records import UsageError
+
+    run_dir = tmp_path / "r"
+    RunDriver(load_config("svs", tiny=True), run_dir)._prepare_dir()
+    manifest = json.loads((run_dir / MANIFEST).read_text())
+    del manifest["config"]["eval"]
+    del manifest["config"]["svs"]["format_weight"]
+    (run_dir / MANIFEST).write_text(json.dumps(manifest))
+    RunDriver(load_config("svs", tiny=True), run_dir, resume=True)._prepare_dir()
+    (run_dir / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(UsageError, match="eval.every"):
+        RunDriver(load_config("svs", tiny=True, sets=["eval.every=2"]), run_dir, resume=True)._prepare_dir()
+
+
 # ------------------------------------------------------------------------------ report
 
 @pytest.mark.slow

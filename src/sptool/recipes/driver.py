@@ -351,9 +351,13 @@ class RunDriver:
                                      f"not '{self.recipe}'")
                 saved = self.manifest.get("config")
                 if saved and saved != self.config:
+                    from sptool.recipes import schema_for
+
+                    # a key newer than the run (absent from its saved config) counts as its default
+                    defaults = schema_for(self.recipe)
                     changed = sorted(f"{s}.{k}" for s in self.config if isinstance(self.config[s], dict)
                                      for k in self.config[s]
-                                     if saved.get(s, {}).get(k) != self.config[s][k])
+                                     if saved.get(s, {}).get(k, defaults.get(s, {}).get(k)) != self.config[s][k])
                     if any(key != "run.iterations" for key in changed):
                         raise UsageError(f"--resume: the configuration differs from the run's "
                                          f"({', '.join(changed[:5])}); resume with the same options")
@@ -468,7 +472,10 @@ class RunDriver:
                                          "needs reference answers")
                 if not problems:
                     raise UsageError(f"eval.benchmarks: {path}: no problems")
-                self._eval_sets.append((Path(path).name.split(".")[0], problems))
+                name = Path(path).name.split(".")[0]
+                if any(name == known for known, _ in self._eval_sets):
+                    name = path  # two files with one stem: tell them apart by path
+                self._eval_sets.append((name, problems))
         return self._eval_sets
 
     def evaluate(self, ctx: StageContext, after_iteration: int) -> list[dict]:
