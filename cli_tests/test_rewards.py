@@ -187,8 +187,9 @@ def test_validity_init_reward():
 # ------------------------------------------------------------------ SvS
 
 def test_svs_bands_and_synthesis_reward():
-    assert R.svs_keep_original(0.5) and not R.svs_keep_original(0.0) and not R.svs_keep_original(1.0)
-    assert not R.svs_keep_original(None)
+    # Algorithm 1 line 8, 0 < Acc < 1, on binary rewards: Acc 0.5 kept, 0 and 1 not, no samples not
+    assert R.rewards_differ([1.0, 0.0]) and not R.rewards_differ([0.0, 0.0])
+    assert not R.rewards_differ([1.0, 1.0]) and not R.rewards_differ([])
     assert R.svs_is_underperforming(0.125) and R.svs_is_underperforming(0.5)
     assert not R.svs_is_underperforming(0.625)
     # Eq. 6: 1 inside [0.125, 0.625] (inclusive), 0 outside

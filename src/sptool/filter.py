@@ -561,19 +561,14 @@ class FilterStage(Stage):
         return record.get("origin") == "synthesis" or bool(record.get("synthesis_prompt"))
 
     def _svs_solver(self, record: dict, what: str) -> dict | None:
+        # w = 0: the binary reward of SvS Eq. 4, and "rewards differ" is Algorithm 1's 0 < Acc < 1
         weight = self.options.format_weight
-        samples = samples_of(record)
-        if not weight:
-            if not R.svs_keep_original(record.get("p_hat")):
-                self.drop(record, f"solver: {what} Acc is 0 or 1")
-                return None
-            rewards = [R.binary_correctness_reward(s.get("correct")) for s in samples]
-        else:
-            rewards = [R.pseudo_label_solver_reward(s.get("correct"), s.get("answer") is not None, weight)
-                       for s in samples]
-            if not R.rewards_differ(rewards):
-                self.drop(record, f"solver: {what} rewards all equal (same correctness and format)")
-                return None
+        rewards = [R.pseudo_label_solver_reward(s.get("correct"), s.get("answer") is not None, weight)
+                   for s in samples_of(record)]
+        if not R.rewards_differ(rewards):
+            self.drop(record, f"solver: {what} Acc is 0 or 1" if not weight else
+                      f"solver: {what} rewards all equal (same correctness and format)")
+            return None
         group = self.solver_group(record, rewards, variant=what == "variant")
         if group is not None:
             self._solver_side_groups += 1

@@ -318,14 +318,10 @@ def validity_init_reward(answer: str | None, *, problem_invalid: bool, correct: 
 
 # ------------------------------------------------------------------ SvS
 
-def svs_keep_original(acc: float | None) -> bool:
-    """SvS Algorithm 1 line 8: the original problem trains the solver when 0 < Acc(x) < 1."""
-    return acc is not None and 0.0 < acc < 1.0
-
-
 def rewards_differ(rewards: Sequence[float]) -> bool:
     """Does the group carry a policy gradient? Its advantages r_i − mean(r) (Dr. GRPO) are all
-    zero exactly when every reward is equal; for binary rewards this is SvS's 0 < Acc < 1."""
+    zero exactly when every reward is equal. For binary rewards this is SvS Algorithm 1 line 8:
+    a problem trains the solver when 0 < Acc(x) < 1."""
     return len(rewards) > 1 and max(rewards) > min(rewards)
 
 

@@ -82,6 +82,21 @@ def json_copy(records: list[dict]) -> list[dict]:
     return [json.loads(dumps(record)) for record in records]
 
 
+def read_labelled_problems(path: str, user: str) -> list[dict]:
+    """Problems with reference answers (``question``, ``answer``) from JSONL, for ``user`` (named
+    in the error when a line has no answer or the file has no problems)."""
+    from sptool.jsonl import read_records
+    from sptool.records import QUESTION
+
+    problems = list(read_records(path, QUESTION))
+    for number, record in enumerate(problems, 1):
+        if record.get("answer") in (None, ""):
+            raise UsageError(f"{path}:{number}: field 'answer': {user} needs a reference answer")
+    if not problems:
+        raise UsageError(f"{path}: no problems")
+    return problems
+
+
 # ---------------------------------------------------------------------------------- metrics
 
 def _mean(values: Iterable[float | None]) -> float | None:
@@ -303,6 +318,7 @@ class RunDriver:
         self._verifier = None
         self._encoder = None
         self._eval_sets: list[tuple[str, list[dict]]] | None = None
+        self._svs_data: list[dict] | None = None
         self.tree: dict | None = None
         self.manifest: dict = {}
 
@@ -458,20 +474,9 @@ class RunDriver:
     def eval_sets(self) -> list[tuple[str, list[dict]]]:
         """The held-out benchmarks of ``eval.benchmarks`` (read and checked once, at the start)."""
         if self._eval_sets is None:
-            from sptool.jsonl import read_records
-            from sptool.records import QUESTION
-
             self._eval_sets = []
             for path in [p.strip() for p in self.config["eval"]["benchmarks"].split(",") if p.strip()]:
-                if not Path(path).is_file():
-                    raise UsageError(f"eval.benchmarks: {path}: no such file")
-                problems = list(read_records(path, QUESTION))
-                for number, record in enumerate(problems, 1):
-                    if record.get("answer") in (None, ""):
-                        raise UsageError(f"{path}:{number}: field 'answer': a held-out benchmark "
-                                         "needs reference answers")
-                if not problems:
-                    raise UsageError(f"eval.benchmarks: {path}: no problems")
+                problems = read_labelled_problems(path, "a held-out benchmark")
                 name = Path(path).name.split(".")[0]
                 if any(name == known for known, _ in self._eval_sets):
                     name = path  # two files with one stem: tell them apart by path
@@ -788,19 +793,13 @@ class RunDriver:
                 StageSpec("train", "train", lambda c: self._train(c, c.output("filter"), self.roles()))]
 
     def svs_data(self) -> list[dict]:
-        from sptool.jsonl import read_records
-        from sptool.records import QUESTION
-
-        path = self.own["data"]
-        if not path:
-            raise UsageError("svs needs a labelled problem set: --data FILE (JSONL with question, answer)")
-        problems = [r for r in read_records(path, QUESTION)]
-        for number, record in enumerate(problems, 1):
-            if record.get("answer") in (None, ""):
-                raise UsageError(f"{path}:{number}: field 'answer': SvS needs a reference answer")
-        if not problems:
-            raise UsageError(f"{path}: no problems")
-        return problems
+        """The labelled training set (``--data``), read once."""
+        if self._svs_data is None:
+            path = self.own["data"]
+            if not path:
+                raise UsageError("svs needs a labelled problem set: --data FILE (JSONL with question, answer)")
+            self._svs_data = read_labelled_problems(path, "SvS")
+        return self._svs_data
 
     def svs_sample(self, ctx: StageContext) -> list[dict]:
         """``problems`` problems per iteration, walking seeded permutations of the data set."""
