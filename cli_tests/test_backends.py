@@ -142,8 +142,8 @@ def test_base_urls_are_parsed_from_option_and_env(monkeypatch):
 def test_backends_are_registered_and_lazy():
     from sptool.models.base import BACKENDS
 
-    assert BACKENDS["vllm"] == "sptool.models.vllm_backend:VLLMBackend"
-    assert BACKENDS["openai"] == "sptool.models.openai_backend:OpenAIBackend"
+    assert BACKENDS.target("vllm") == "sptool.models.vllm_backend:VLLMBackend"
+    assert BACKENDS.target("openai") == "sptool.models.openai_backend:OpenAIBackend"
     code = "import sptool.models.vllm_backend, sptool.models.openai_backend, sys; " \
            "print('vllm' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

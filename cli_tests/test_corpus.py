@@ -416,7 +416,7 @@ def test_bad_policy_file_and_unknown_backend(sptool, tmp_path):
     result = sptool("corpus", "fetch", str(paths), "--policy", str(rules))
     assert result.returncode == 2 and f"{rules}:1:" in result.stderr
     result = sptool("corpus", "fetch", str(paths), "--search", "serxng")
-    assert result.returncode == 2 and "Did you mean: searxng?" in result.stderr
+    assert result.returncode == 2 and "Did you mean 'searxng'?" in result.stderr
 
 
 def test_record_without_leaf_is_bad_input(sptool, tmp_path):

@@ -18,7 +18,6 @@ usually runs on localhost); the URL policy applies to the result URLs that sptoo
 
 from __future__ import annotations
 
-import difflib
 import html as html_lib
 import json
 import math
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from sptool.records import InputError, RuntimeFailure, UsageError
+from sptool.registry import Registry
 
 
 @dataclass
@@ -285,25 +285,20 @@ def _visible_text(entry: SearchResult) -> str:
     return text
 
 
-SEARCH_BACKENDS: dict[str, Callable[..., SearchBackend]] = {
+SEARCH_BACKENDS: Registry[Callable[..., SearchBackend]] = Registry("search backend", {
     "searxng": SearxngSearch,
     "wikipedia": WikipediaSearch,
     "brave": BraveSearch,
     "local": LocalSearch,
-}
+})
 
 
 def load_search(spec: str, *, url: str | None = None, timeout: float = 15.0) -> SearchBackend:
     """A search backend from ``--search`` (``searxng``, ``wikipedia``, ``brave``, ``local:PATH``)."""
     name, _, argument = spec.partition(":")
-    name = name.strip().lower()
-    if name not in SEARCH_BACKENDS:
-        close = difflib.get_close_matches(name, list(SEARCH_BACKENDS), n=1)
-        hint = f" Did you mean: {close[0]}?" if close else ""
-        raise UsageError(f"unknown search backend {name!r}.{hint} "
-                         f"Choose from: {', '.join(sorted(SEARCH_BACKENDS))} (local:PATH).")
-    if name == "local":
+    factory = SEARCH_BACKENDS.get(name.strip().lower())
+    if factory is LocalSearch:
         return LocalSearch(argument or url or "")
     if argument:
         url = url or argument
-    return SEARCH_BACKENDS[name](url, timeout=timeout)
+    return factory(url, timeout=timeout)

@@ -7,12 +7,11 @@ string (base models without a chat template). A backend returns, for each prompt
 
 from __future__ import annotations
 
-import difflib
-import importlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol, Union
 
 from sptool.records import UsageError
+from sptool.registry import Registry, unknown_name_error  # noqa: F401 (re-exported)
 
 ChatMessages = list[dict[str, str]]
 Prompt = Union[ChatMessages, str]
@@ -69,29 +68,19 @@ class Backend(Protocol):
 
 
 # name -> "module:attribute" (lazy, so `sptool --help` imports no torch)
-BACKENDS: dict[str, str] = {
+BACKENDS: Registry[Callable[..., Backend]] = Registry("backend", {
     "hf": "sptool.models.hf:HFBackend",
     "scripted": "sptool.models.scripted:ScriptedBackend",
     "vllm": "sptool.models.vllm_backend:VLLMBackend",
     "openai": "sptool.models.openai_backend:OpenAIBackend",
-}
+})
 
 
 def register_backend(name: str, target: str) -> None:
     """Register a backend factory given as ``"module:attribute"``."""
-    BACKENDS[name] = target
-
-
-def unknown_name_error(kind: str, name: str, known: list[str]) -> UsageError:
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
-    return UsageError(f"unknown {kind} '{name}'.{hint} Choose from: {', '.join(sorted(known))}")
+    BACKENDS.register(name, target)
 
 
 def load_backend(name: str, model: str = "tiny", **options: Any) -> Backend:
     """Instantiate backend ``name`` for ``model`` (options are backend-specific)."""
-    if name not in BACKENDS:
-        raise unknown_name_error("backend", name, list(BACKENDS))
-    module_name, attribute = BACKENDS[name].split(":")
-    factory: Callable[..., Backend] = getattr(importlib.import_module(module_name), attribute)
-    return factory(model, **options)
+    return BACKENDS.get(name)(model, **options)
