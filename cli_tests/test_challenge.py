@@ -8,7 +8,7 @@ import pytest
 
 from conftest import FIXTURES, read_jsonl, write_jsonl
 from sptool.challenge import (DocumentChallengeStage, NothingChallengeStage, SolutionChallengeStage,
-                              check_challenger_output, gamma_validate, in_underperforming_band,
+                              check_challenger_output, gamma_validate,
                               parse_challenger_json, parse_questioner_output, parse_variant_output,
                               refers_to_document)
 from sptool.models.base import SamplingParams
@@ -103,15 +103,6 @@ def test_parse_variant_output():
     assert parse_variant_output("<problem> </problem>") == (None, "empty problem")
     assert parse_variant_output("<problem>What is 7 +  8?</problem>", "What is 7 + 8?")[1] == \
         "copies the original problem"
-
-
-def test_underperforming_band_edges():
-    # SvS: [12.5%, 50%] closed in §3.3, open in Algorithm 1 line 11
-    assert in_underperforming_band(0.125, 0.125, 0.5) and in_underperforming_band(0.5, 0.125, 0.5)
-    assert not in_underperforming_band(0.125, 0.125, 0.5, strict=True)
-    assert not in_underperforming_band(0.5, 0.125, 0.5, strict=True)
-    assert in_underperforming_band(0.25, 0.125, 0.5, strict=True)
-    assert not in_underperforming_band(0.0, 0.125, 0.5) and not in_underperforming_band(0.875, 0.125, 0.5)
 
 
 # ---------------------------------------------------------------- modes with the scripted backend

@@ -192,6 +192,11 @@ def test_svs_bands_and_synthesis_reward():
     assert not R.rewards_differ([1.0, 1.0]) and not R.rewards_differ([])
     assert R.svs_is_underperforming(0.125) and R.svs_is_underperforming(0.5)
     assert not R.svs_is_underperforming(0.625)
+    # [12.5%, 50%] closed in §3.3, open in Algorithm 1 line 11 (strict)
+    assert not R.svs_is_underperforming(0.125, strict=True) and not R.svs_is_underperforming(0.5, strict=True)
+    assert R.svs_is_underperforming(0.25, (0.125, 0.5), strict=True)
+    assert not R.svs_is_underperforming(0.0) and not R.svs_is_underperforming(0.875)
+    assert not R.svs_is_underperforming(None)
     # Eq. 6: 1 inside [0.125, 0.625] (inclusive), 0 outside
     assert [R.synthesis_reward(a) for a in (0.125, 0.5, 0.625, 0.75, 0.0, 1.0, None)] == \
         [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]

@@ -92,9 +92,9 @@ def sequence_logprob(trainer, prompt_messages, completion: str) -> float:
 
 
 def test_advantages_hand_computed():
-    assert losses.centered_advantages([1, 0, 1]) == pytest.approx([1 / 3, -2 / 3, 1 / 3])
+    assert losses.group_advantages([1, 0, 1], "dr_grpo") == pytest.approx([1 / 3, -2 / 3, 1 / 3])
     # sample std of [1, 0] is sqrt(0.5) = 0.70711; (±0.5) / (0.70711 + 1e-6)
-    assert losses.normalised_advantages([1, 0]) == pytest.approx([0.70710578, -0.70710578], rel=1e-6)
+    assert losses.group_advantages([1, 0], "grpo") == pytest.approx([0.70710578, -0.70710578], rel=1e-6)
     assert losses.group_advantages([2, 2, 2], "grpo") == [0.0, 0.0, 0.0]
     assert losses.group_advantages([3, 1], "dr_grpo") == [1.0, -1.0]
     assert losses.group_advantages([3, 1], "dapo") == losses.group_advantages([3, 1], "grpo")

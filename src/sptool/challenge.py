@@ -24,8 +24,10 @@ import json
 import re
 from typing import Any, Iterator
 
+from sptool import rewards as R
 from sptool.models.base import Backend, Prompt, Sample, SamplingParams
 from sptool.prompts import fill_template, load_template
+from sptool.registry import Registry
 from sptool.records import (ANSWER, Field, InputError, RecordKind, UsageError, _non_empty,
                             _samples_check, answer_text, content_id, ensure_id, iter_chunks)
 from sptool.stage import Stage
@@ -258,17 +260,6 @@ def _normalise(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 
 
-def in_underperforming_band(accuracy: float, low: float, high: float, *, strict: bool = False) -> bool:
-    """SvS challenging-problem test: Acc(x) ∈ [acc_l, acc_h] (§3.3; paper: [12.5%, 50%]).
-
-    §3.3 writes the closed range [acc_l, acc_h]; Algorithm 1 line 11 writes
-    acc_l < Acc(x) < acc_h (``strict=True``).
-    """
-    if strict:
-        return low < accuracy < high
-    return low <= accuracy <= high
-
-
 # ---------------------------------------------------------------- shared record building
 
 def _sample_fields(sample: Sample) -> dict[str, Any]:
@@ -477,7 +468,7 @@ class SolutionChallengeStage(_GeneratingStage):
     input_kind = VERIFIED
     template_name = "challenge_solutions"
 
-    def __init__(self, backend: Backend, *, band: tuple[float, float] = (0.125, 0.5),
+    def __init__(self, backend: Backend, *, band: tuple[float, float] = R.SVS_UNDERPERFORMING_BAND,
                  strict_band: bool = False, max_solutions: int = 8, **options):
         super().__init__(backend, **options)
         low, high = band
@@ -492,7 +483,7 @@ class SolutionChallengeStage(_GeneratingStage):
         if p_hat is None:
             self.drop(record, "no accuracy (verify_error)")
             return []
-        if not in_underperforming_band(float(p_hat), *self.band, strict=self.strict_band):
+        if not R.svs_is_underperforming(float(p_hat), self.band, strict=self.strict_band):
             self.drop(record, "accuracy outside the under-performing band")
             return []
         correct = [(index, sample) for index, sample in enumerate(record["samples"])
@@ -529,14 +520,11 @@ class SolutionChallengeStage(_GeneratingStage):
                         yield record
 
 
-MODES = {"documents": DocumentChallengeStage, "nothing": NothingChallengeStage,
-         "solutions": SolutionChallengeStage}
-DEFAULT_BATCH_SIZE = {"documents": 4, "nothing": 4, "solutions": 4}
+MODES: Registry[type[Stage]] = Registry("challenge mode (--from)", {
+    "documents": DocumentChallengeStage, "nothing": NothingChallengeStage,
+    "solutions": SolutionChallengeStage})
 
 
 def make_challenge_stage(mode: str, backend: Backend, **options) -> Stage:
     """The challenge stage for ``mode`` (documents, nothing, solutions)."""
-    if mode not in MODES:
-        from sptool.models.base import unknown_name_error
-        raise unknown_name_error("--from mode", mode, list(MODES))
-    return MODES[mode](backend, **options)
+    return MODES.get(mode)(backend, **options)

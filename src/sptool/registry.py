@@ -63,6 +63,8 @@ class Registry(Generic[T]):
             self._entries[name] = entry
         return entry  # type: ignore[return-value]
 
+    __getitem__ = get
+
     def check(self, name: str) -> str:
         """``name`` itself when registered (nothing is imported); UsageError otherwise."""
         if name not in self._entries:

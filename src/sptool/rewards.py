@@ -326,10 +326,15 @@ def rewards_differ(rewards: Sequence[float]) -> bool:
 
 
 def svs_is_underperforming(acc: float | None,
-                           band: tuple[float, float] = SVS_UNDERPERFORMING_BAND) -> bool:
+                           band: tuple[float, float] = SVS_UNDERPERFORMING_BAND, *,
+                           strict: bool = False) -> bool:
     """SvS §3.3: a challenging problem has Acc(x) ∈ [acc_l, acc_h] = [12.5%, 50%] (§4); its
-    correct solutions feed variational problem synthesis."""
-    return in_band(acc, band)
+    correct solutions feed variational problem synthesis.
+
+    §3.3 writes the closed range [acc_l, acc_h]; Algorithm 1 line 11 writes
+    acc_l < Acc(x) < acc_h (``strict=True``).
+    """
+    return in_band(acc, band, inclusive=not strict)
 
 
 def synthesis_reward(acc: float | None, band: tuple[float, float] = SVS_SYNTHESIS_BAND,

@@ -256,15 +256,16 @@ def candidate_children(tree: dict, node_id: str, masked_unk: frozenset | set = f
     return children
 
 
-def thompson_sample_path(tree: dict, rng, masked_unk: frozenset | set = frozenset()) -> list[str]:
-    """Descend from the root: at each depth draw θ ~ Beta(α̃, β̃) for every candidate child and take
-    the argmax (WIST §3.2). Stops at a leaf (depth L) or at a chosen ``unk`` (growth needed), or
-    at a node with no candidates. Returns the node ids below the virtual root.
+def thompson_sample_path(tree: dict, rng, masked_unk: frozenset | set = frozenset(), *,
+                         start: str | None = None) -> list[str]:
+    """Descend from ``start`` (default: the root): at each depth draw θ ~ Beta(α̃, β̃) for every
+    candidate child and take the argmax (WIST §3.2). Stops at a leaf (depth L) or at a chosen
+    ``unk`` (growth needed), or at a node with no candidates. Returns the node ids below ``start``.
 
     ``rng`` is a ``numpy.random.Generator``; ``masked_unk`` holds parent ids whose unk is masked.
     """
     nodes = tree["nodes"]
-    current = tree["root"]
+    current = tree["root"] if start is None else start
     path: list[str] = []
     while nodes[current]["depth"] < tree["max_depth"]:
         candidates = candidate_children(tree, current, masked_unk)
@@ -568,7 +569,7 @@ class TreeExpander:
                         failed_parents.add(parent_id)
                         break
                     candidate[-1] = new_id
-                    rest = self._descend(tree, new_id, rng, failed_parents)
+                    rest = thompson_sample_path(tree, rng, failed_parents, start=new_id)
                     candidate.extend(rest)
                 if candidate and not tree["nodes"][candidate[-1]]["is_unk"] \
                         and tree["nodes"][candidate[-1]]["depth"] == tree["max_depth"]:
@@ -586,22 +587,6 @@ class TreeExpander:
                             "tree_revision": revision + 1})
             self.stats["paths"] += 1
         return records
-
-    @staticmethod
-    def _descend(tree: dict, start: str, rng, masked: set) -> list[str]:
-        """Continue Thompson sampling below ``start`` (same rule as :func:`thompson_sample_path`)."""
-        nodes = tree["nodes"]
-        current, rest = start, []
-        while nodes[current]["depth"] < tree["max_depth"]:
-            candidates = candidate_children(tree, current, masked)
-            if not candidates:
-                break
-            draws = [rng.beta(*beta_posterior(nodes[c]["window"])) for c in candidates]
-            current = candidates[max(range(len(draws)), key=draws.__getitem__)]
-            rest.append(current)
-            if nodes[current]["is_unk"]:
-                break
-        return rest
 
 
 # --------------------------------------------------------------------------------------------

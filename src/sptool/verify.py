@@ -22,6 +22,7 @@ import re
 from typing import Any, Iterator
 
 from sptool.records import SOLVED, answer_text
+from sptool.rewards import empirical_accuracy, empirical_variance
 from sptool.stage import Stage
 from sptool.workers import DeadlinePool, TaskFailed, TaskTimeout
 
@@ -123,12 +124,12 @@ def grade(task: dict) -> dict:
     else:
         correct = [index in majority_members for index in range(k)]
         label_source = "majority"
-    p_hat = sum(correct) / k if k else 0.0
+    p_hat = empirical_accuracy(correct)
     return {
         "answers": answers,
         "correct": correct,
         "p_hat": p_hat,
-        "var": p_hat * (1.0 - p_hat),
+        "var": empirical_variance(p_hat),
         "majority": majority,
         "majority_frac": len(majority_members) / k if k else 0.0,
         "invalid_frac": sum(a == INVALID for a in answers) / k if k else 0.0,

@@ -21,9 +21,12 @@ without changing its value (gradient accumulation and data parallelism stay exac
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
+
+from sptool import rewards as rewards_lib
+from sptool.registry import Registry
+from sptool.rewards import GRPO_EPSILON
 
 
 @dataclass(frozen=True)
@@ -31,45 +34,24 @@ class Objective:
     """The knobs that define one objective (see the module table)."""
 
     name: str
-    advantage: str        # "centered" (Dr. GRPO) or "normalised" (GRPO, DAPO)
+    advantage: str        # a kind of :func:`sptool.rewards.group_advantages`: "dr_grpo" or "grpo"
     aggregation: str      # "global_constant", "sequence_mean" or "token_mean"
     clip_low: float
     clip_high: float
 
 
-OBJECTIVES: dict[str, Objective] = {
-    "dr_grpo": Objective("dr_grpo", "centered", "global_constant", 0.2, 0.2),
-    "grpo": Objective("grpo", "normalised", "sequence_mean", 0.2, 0.2),
-    "dapo": Objective("dapo", "normalised", "token_mean", 0.2, 0.28),
-}
+OBJECTIVES: Registry[Objective] = Registry("objective (--loss)", {
+    "dr_grpo": Objective("dr_grpo", "dr_grpo", "global_constant", 0.2, 0.2),
+    "grpo": Objective("grpo", "grpo", "sequence_mean", 0.2, 0.2),
+    "dapo": Objective("dapo", "grpo", "token_mean", 0.2, 0.28),
+})
 
 
-def centered_advantages(rewards: Sequence[float]) -> list[float]:
-    """Dr. GRPO group-centred advantage (WIST eq. 3): ``A_i = r_i − (1/G) Σ_j r_j``."""
-    if not rewards:
-        return []
-    mean = sum(rewards) / len(rewards)
-    return [float(r - mean) for r in rewards]
-
-
-def normalised_advantages(rewards: Sequence[float], epsilon: float = 1e-6) -> list[float]:
-    """GRPO group-normalised advantage (SvS eq. 1): ``A_i = (r_i − mean(r)) / (std(r) + ε)``.
-
-    ``std`` is the sample standard deviation (Bessel-corrected, as ``torch.std`` in TRL/verl and
-    :func:`sptool.rewards.group_advantages` that ``filter`` uses; 0 for a single completion);
-    ``ε`` keeps a group of equal rewards at ``A = 0`` instead of dividing by zero.
-    """
-    if not rewards:
-        return []
-    mean = sum(rewards) / len(rewards)
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) if len(rewards) > 1 else 0.0
-    return [float((r - mean) / (std + epsilon)) for r in rewards]
-
-
-def group_advantages(rewards: Sequence[float], objective: str = "dr_grpo", epsilon: float = 1e-6) -> list[float]:
-    """Advantages of one group under ``objective`` (dr_grpo: centred; grpo, dapo: normalised)."""
-    kind = OBJECTIVES[objective].advantage
-    return centered_advantages(rewards) if kind == "centered" else normalised_advantages(rewards, epsilon)
+def group_advantages(rewards: Sequence[float], objective: str = "dr_grpo",
+                     epsilon: float = GRPO_EPSILON) -> list[float]:
+    """Advantages of one group under ``objective``: :func:`sptool.rewards.group_advantages` of the
+    objective's kind (dr_grpo: centred, WIST eq. 3; grpo and dapo: normalised, SvS eq. 1)."""
+    return rewards_lib.group_advantages(rewards, OBJECTIVES.get(objective).advantage, epsilon)
 
 
 def sequence_token_weights(lengths: Sequence[int], aggregation: str,

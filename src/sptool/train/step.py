@@ -147,11 +147,7 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.loss not in OBJECTIVES:
-            from sptool.models.base import unknown_name_error
-
-            raise unknown_name_error("--loss", self.loss, list(OBJECTIVES))
-        objective = OBJECTIVES[self.loss]
+        objective = OBJECTIVES.get(self.loss)
         if self.clip_low is None:
             self.clip_low = objective.clip_low
         if self.clip_high is None:
@@ -173,7 +169,7 @@ class TrainConfig:
 
     @property
     def objective(self):
-        return OBJECTIVES[self.loss]
+        return OBJECTIVES.get(self.loss)
 
 
 @dataclass
@@ -382,7 +378,7 @@ class PolicyTrainer:
         tokenizer = self.tokenizer
         rewards = [float(r) for r in group["rewards"]]
         advantages = group.get("advantages")
-        wanted = "dr_grpo" if self.config.objective.advantage == "centered" else "grpo"
+        wanted = self.config.objective.advantage
         if advantages is None or self.config.recompute_advantages:
             advantages = group_advantages(rewards, self.config.loss, self.config.advantage_epsilon)
         elif group.get("advantage") not in (None, wanted) and not self.warned_advantage_kind:
