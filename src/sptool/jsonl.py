@@ -12,12 +12,12 @@ in the same directory and renamed into place on success, so a failed run leaves 
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import json
 import os
 import sys
-import tempfile
 from typing import IO, Any, Callable, Iterator
 
 from sptool.records import ANY, InputError, RecordKind, describe
@@ -97,21 +97,29 @@ class AtomicJsonlWriter:
     exception it is removed and the target is untouched.
     """
 
-    def __init__(self, path: str | os.PathLike | None, *, flush_every: int = 1):
+    def __init__(self, path: str | os.PathLike | None, *, flush_every: int = 1,
+                 option: str = "--output"):
         self.path = None if path in (None, "-") else os.fspath(path)
+        self.option = option
         self.count = 0
         self._tmp: str | None = None
         self._handle: IO[str] | None = None
+        self._raw = None
+        self._target = None
         self._flush_every = flush_every
 
     def __enter__(self) -> "AtomicJsonlWriter":
-        if self.path is None:
+        from sptool import fsguard
+
+        self._target = fsguard.output_target(self.path, option=self.option)
+        if self._target.kind == "stdout":
+            self.path = None
             self._handle = sys.stdout
             return self
-        directory = os.path.dirname(os.path.abspath(self.path))
-        if not os.path.isdir(directory):
-            raise InputError("output directory does not exist", source=self.path)
-        fd, self._tmp = tempfile.mkstemp(prefix=".sptool-", suffix=".part", dir=directory)
+        if self._target.kind == "devnull":
+            self._handle = open(os.devnull, "w", encoding="utf-8")
+            return self
+        fd, self._tmp = fsguard.make_temp(os.path.dirname(self._target.path))
         raw = os.fdopen(fd, "wb")
         if self.path.endswith(".gz"):
             self._handle = io.TextIOWrapper(gzip.GzipFile(fileobj=raw, mode="wb"), encoding="utf-8")
@@ -134,31 +142,57 @@ class AtomicJsonlWriter:
                 sys.stdout.flush()
             return
         assert self._handle is not None
+        if self._tmp is None:  # /dev/null
+            self._handle.close()
+            return
+        committed = False
         try:
             self._handle.close()
             if self._raw is not None:
                 self._raw.close()
-        finally:
             if exc_type is None:
-                os.replace(self._tmp, self.path)
-            else:
+                from sptool import fsguard
+
+                fsguard.apply_default_mode(self._tmp, self._target.path)
+                os.replace(self._tmp, self._target.path)
+                committed = True
+        finally:
+            if not committed:
                 try:
                     os.unlink(self._tmp)
                 except FileNotFoundError:
                     pass
 
 
-def write_json_atomic(path: str | os.PathLike, document: Any) -> None:
-    """Write one JSON document (a tree, a manifest) atomically."""
+def write_json_atomic(path: str | os.PathLike, document: Any, *, option: str = "--output") -> None:
+    """Write one JSON document (a tree, a manifest) atomically and durably (a symlink stays a
+    link: the file it points to is replaced)."""
+    text = json.dumps(document, ensure_ascii=False, indent=2, allow_nan=False) + "\n"
+    write_text_atomic(path, text, option=option)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, *, option: str = "--output") -> None:
+    """Write ``text`` to ``path`` atomically and durably (temp file, fsync, rename, fsync dir)."""
+    from sptool import fsguard
+
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".sptool-", suffix=".part", dir=directory)
+    target = fsguard.output_target(path, option=option)
+    if target.kind != "file":
+        with (open(os.devnull, "w") if target.kind == "devnull" else contextlib.nullcontext(sys.stdout)) as handle:
+            handle.write(text)
+            handle.flush()
+        return
+    fd, tmp = fsguard.make_temp(os.path.dirname(target.path))
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(document, handle, ensure_ascii=False, indent=2, allow_nan=False)
-            handle.write("\n")
-        os.replace(tmp, path)
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        fsguard.apply_default_mode(tmp, target.path)
+        os.replace(tmp, target.path)
+        fsguard.fsync_directory(os.path.dirname(target.path))
     except BaseException:
         try:
             os.unlink(tmp)

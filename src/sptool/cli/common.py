@@ -8,11 +8,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
 
+from sptool.fsguard import check_outputs
 from sptool.jsonl import AtomicJsonlWriter, read_records, source_name
 from sptool.records import InputError
 from sptool.stage import Stage
@@ -90,16 +91,19 @@ def waiting_for_stdin_hint(input_path: Optional[str], quiet: bool) -> None:
 
 def run_stage(stage: Stage, *, input_path: Optional[str], output: Optional[str], quiet: bool,
               skip_invalid: bool = False, rejects: Optional[str] = None,
-              records: Optional[Iterator[dict]] = None) -> None:
+              records: Optional[Iterator[dict]] = None,
+              before_commit: Optional[Callable[[], None]] = None) -> None:
     """Read → validate → ``stage.run`` → write, with rejects, progress and the summary line.
 
     Any :class:`InputError` propagates (the caller's error handler prints one line, exit 2); the
     output file is then left untouched because :class:`AtomicJsonlWriter` discards its temp file.
+    An output that is the same file as an input is refused before anything is read.
+    ``before_commit`` runs after the last record, before the outputs replace their targets (a
+    command that also updates another file does it there, so a failure leaves no new output).
     """
-    if rejects and output not in (None, "-") and rejects == output:
-        raise InputError("--rejects and --output must be different files", source="--rejects")
+    check_outputs({"--output": output, "--rejects": rejects}, inputs=[input_path])
     waiting_for_stdin_hint(input_path, quiet)
-    rejects_writer = AtomicJsonlWriter(rejects) if rejects else contextlib.nullcontext(None)
+    rejects_writer = AtomicJsonlWriter(rejects, option="--rejects") if rejects else contextlib.nullcontext(None)
     with AtomicJsonlWriter(output) as out, rejects_writer as rejected:
 
         def on_invalid(error: InputError, raw: str) -> None:
@@ -123,6 +127,8 @@ def run_stage(stage: Stage, *, input_path: Optional[str], output: Optional[str],
         finally:
             stage.close()
         elapsed = progress.seconds
+        if before_commit is not None:
+            before_commit()
     if not quiet:
         err_console.print(f"{stage.stats.summary(stage.name)} in {elapsed:.1f}s "
                           f"[{source_name(input_path)}]", soft_wrap=True, markup=False)

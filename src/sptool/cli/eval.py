@@ -42,6 +42,7 @@ def evaluate(
     from sptool.models.base import SamplingParams, load_backend
     from sptool.records import QUESTION
 
+    common.check_outputs({"--samples-out": samples_out})
     ks = parse_ks(pass_at)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens, seed=seed)
     records_by_name = {Path(path).stem.removesuffix(".jsonl"): list(read_records(path, QUESTION))
@@ -56,7 +57,7 @@ def evaluate(
         results.append(result)
         graded_all.extend({**r, "benchmark": name} for r in graded)
     if samples_out:
-        with AtomicJsonlWriter(samples_out) as out:
+        with AtomicJsonlWriter(samples_out, option="--samples-out") as out:
             for record in graded_all:
                 out.write(record)
     if as_json:

@@ -45,7 +45,10 @@ def update(
     tree = load_tree(tree_path)
     stage = PosteriorUpdateStage(tree, rule=rule, tau_var=tau_var, group_threshold=group_threshold,
                                  sigma=sigma, source=tree_path)
+
+    def save() -> None:  # the tree first: a failure leaves neither a new tree nor a new --output
+        if stage.observations:
+            save_tree(tree, tree_path)
+
     common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
-                     skip_invalid=skip_invalid, rejects=rejects)
-    if stage.observations:
-        save_tree(tree, tree_path)
+                     skip_invalid=skip_invalid, rejects=rejects, before_commit=save)

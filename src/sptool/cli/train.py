@@ -98,6 +98,7 @@ def train_step(
     if groups_per_update < 0:
         raise UsageError(f"--groups-per-update must be >= 0, got {groups_per_update}")
     ckpt.check_output_path(output)
+    common.check_outputs({"--rejects": rejects, "--metrics": metrics_path}, inputs=[input_path])
     config = TrainConfig(
         model=model, loss=loss, beta=beta, learning_rate=learning_rate, weight_decay=weight_decay,
         max_grad_norm=max_grad_norm, clip_low=clip_low, clip_high=clip_high, normaliser_length=normaliser_length,
@@ -109,7 +110,7 @@ def train_step(
     common.waiting_for_stdin_hint(input_path, quiet)
     started = time.monotonic()
     counts = {"read": 0, "invalid": 0, "skipped_role": 0}
-    rejects_writer = AtomicJsonlWriter(rejects) if rejects else contextlib.nullcontext(None)
+    rejects_writer = AtomicJsonlWriter(rejects, option="--rejects") if rejects else contextlib.nullcontext(None)
     with rejects_writer as rejected:
 
         def on_invalid(error, raw: str) -> None:

@@ -99,6 +99,7 @@ def expand(
     from sptool.titles import load_title_backend
     from sptool.tree import ExpandOptions, TreeExpander, load_tree, save_tree
 
+    common.check_outputs({"--output": output, "--rejects": rejects})
     if reference_voting:
         proposals, min_votes = max(proposals, 5), max(min_votes, 2)
     options = ExpandOptions(tau_wiki=tau_wiki, duplicate_threshold=duplicate_threshold,
@@ -122,7 +123,7 @@ def expand(
         for record in records:
             out.write(record)
     if rejects:
-        with AtomicJsonlWriter(rejects) as out:
+        with AtomicJsonlWriter(rejects, option="--rejects") as out:
             for rejection in expander.rejections:
                 out.write(rejection)
     if not quiet:
@@ -143,6 +144,7 @@ def show(
     from sptool.records import UsageError
     from sptool.tree import load_tree, tree_rows
 
+    common.check_outputs({"--output": output})
     tree = load_tree(tree_path)
     rows = [row for row in tree_rows(tree) if not (hide_unk and row["is_unk"])]
     if fmt == "json":
@@ -196,7 +198,12 @@ def _print_rich(tree: dict, rows: list[dict], output: Optional[str]) -> None:
         parent = by_id.get(row["parent"], root)
         by_id[row["id"]] = parent.add(label(row))
     if output:
-        with open(output, "w", encoding="utf-8") as handle:
-            Console(file=handle, width=120, no_color=True).print(root)
+        import io
+
+        from sptool.jsonl import write_text_atomic
+
+        buffer = io.StringIO()
+        Console(file=buffer, width=120, no_color=True).print(root)
+        write_text_atomic(output, buffer.getvalue())
     else:
         Console(highlight=False).print(root)
