@@ -55,6 +55,15 @@ def test_not_json_names_stdin_line_and_exits_2(sptool, command):
     assert "Traceback" not in result.stderr
 
 
+def test_bytes_that_are_not_utf8_name_their_line_and_exit_2(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps(SOLVED).encode() + b'\n{"question": "caf\xe9", "answer": "1"}\n')
+    result = subprocess.run([*SPTOOL, "verify", "--workers", "1", str(path)], capture_output=True,
+                            cwd=REPO)
+    assert result.returncode == 2
+    assert result.stderr.decode().strip() == f"sptool: error: {path}:2: not valid UTF-8 (byte 0xe9 at column 18)"
+
+
 def test_missing_field_names_the_field_and_line(sptool, tmp_path):
     path = write_jsonl(tmp_path / "q.jsonl", [{"question": "ok?"}, {"prompt": "no question here"}])
     result = sptool("solve", "--backend", "scripted", str(path))

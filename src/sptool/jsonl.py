@@ -29,18 +29,40 @@ def source_name(path: str | os.PathLike | None) -> str:
     return STDIN_NAME if path in (None, "-") else str(path)
 
 
-def open_text_input(path: str | os.PathLike | None) -> IO[str]:
-    """Open a path, ``-``/None (stdin) or a ``.gz`` file for reading text."""
+def open_binary_input(path: str | os.PathLike | None) -> IO[bytes]:
+    """Open a path, ``-``/None (stdin) or a ``.gz`` file for reading bytes.
+
+    Lines are decoded one at a time by :func:`read_records`, so a byte sequence that is not
+    UTF-8 is reported at its ``source:line`` like any other bad line.
+    """
     if path in (None, "-"):
-        return sys.stdin
+        return getattr(sys.stdin, "buffer", None) or io.BytesIO(sys.stdin.read().encode("utf-8"))
     path = os.fspath(path)
     if not os.path.exists(path):
         raise InputError("no such file", source=path)
     if os.path.isdir(path):
         raise InputError("is a directory, expected a JSONL file", source=path)
     if path.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def _parse_line(raw: bytes, kind: RecordKind, source: str, number: int) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        hint = "is it a gzip file without .gz?" if raw.startswith(b"\x1f\x8b") else None
+        raise InputError(f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})",
+                         source=source, line=number, hint=hint) from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"not valid JSON ({exc.msg} at column {exc.colno})", source=source,
+                         line=number, hint="each line must be one JSON object") from None
+    try:
+        return kind.validate(value)
+    except InputError as error:
+        raise error.at(source, number) from None
 
 
 def read_records(path: str | os.PathLike | None, kind: RecordKind = ANY, *,
@@ -48,37 +70,28 @@ def read_records(path: str | os.PathLike | None, kind: RecordKind = ANY, *,
                  on_invalid: Callable[[InputError, str], None] | None = None) -> Iterator[dict]:
     """Stream validated records of ``kind`` from ``path`` (``-``/None: stdin).
 
-    Strict by default: the first bad line raises :class:`InputError` located at
-    ``source:line``. With ``skip_invalid`` the error and the raw line go to
-    ``on_invalid(error, raw_line)`` (to count it, write it to a rejects file) and reading goes on.
+    Strict by default: the first bad line (not UTF-8, not JSON, not a valid record) raises
+    :class:`InputError` located at ``source:line``. With ``skip_invalid`` the error and the raw
+    line go to ``on_invalid(error, raw_line)`` (to count it, write it to a rejects file) and
+    reading goes on.
     """
     source = source_name(path)
-    handle = open_text_input(path)
+    handle = open_binary_input(path)
     try:
         for number, raw in enumerate(handle, start=1):
             if not raw.strip():
                 continue
             try:
-                value = json.loads(raw)
-                yield kind.validate(value)
-            except json.JSONDecodeError as exc:
-                error = InputError(f"not valid JSON ({exc.msg} at column {exc.colno})",
-                                   source=source, line=number,
-                                   hint="each line must be one JSON object")
-                if not skip_invalid:
-                    raise error from None
-                if on_invalid:
-                    on_invalid(error, raw)
+                yield _parse_line(raw, kind, source, number)
             except InputError as error:
-                located = error.at(source, number)
                 if not skip_invalid:
-                    raise located from None
+                    raise
                 if on_invalid:
-                    on_invalid(located, raw)
-    except UnicodeDecodeError:
-        raise InputError("not valid UTF-8 text (is it a gzip file without .gz?)", source=source) from None
+                    on_invalid(error, raw.decode("utf-8", "replace").rstrip("\r\n"))
+    except (OSError, EOFError) as exc:  # a truncated or corrupt .gz file
+        raise InputError(f"cannot read ({exc})", source=source) from None
     finally:
-        if handle is not sys.stdin:
+        if handle is not getattr(sys.stdin, "buffer", None):
             handle.close()
 
 
