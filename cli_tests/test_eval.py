@@ -57,6 +57,16 @@ def test_evaluate_benchmark_with_scripted_answers():
     assert result.greedy_accuracy == pytest.approx(0.5)  # greedy sample 0 of problem 1 is right
 
 
+def test_evaluate_grades_unboxed_answers_unless_require_boxed():
+    backend = ScriptedBackend(responder=lambda text, i: "The final answer is $3$.")
+    records = [{"question": "1+2?", "answer": "3"}]
+    lenient, graded = evaluate_benchmark("t", records, backend, samples=2, ks=(1,), workers=0)
+    assert lenient.mean_at_k == 1.0 and lenient.greedy_accuracy == 1.0
+    assert graded[0]["samples"][0]["boxed"] is False
+    strict, _ = evaluate_benchmark("t", records, backend, samples=2, ks=(1,), workers=0, require_boxed=True)
+    assert strict.mean_at_k == 0.0 and strict.greedy_accuracy == 0.0
+
+
 def test_eval_cli_requires_k_not_above_samples(tmp_path):
     result = run_sptool("eval", "--backend", "scripted", "-k", "2", "--pass-at", "4",
                         str(FIXTURES / "bench" / "basic_algebra.jsonl"))

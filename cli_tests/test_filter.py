@@ -253,6 +253,20 @@ def test_svs_format_weight_gives_a_weak_solver_a_signal(cli, tmp_path):
     assert advantages["boxed-some"] == pytest.approx([0.05, -0.05, 0.05, -0.05])   # Dr. GRPO: r − mean
 
 
+def test_format_term_needs_a_boxed_answer_even_when_an_unboxed_one_is_graded(cli, tmp_path):
+    """verify grades an answer found without \\boxed{} (``boxed: false``): it counts as correct,
+    but the format term w·format stays 0 for it."""
+    original = read_jsonl(FIXTURES / "verified_svs.jsonl")[0]
+    unboxed = {**original, "id": "unboxed", "p_hat": 0.5, "samples": [
+        {**sample, "answer": "42", "boxed": boxed, "correct": correct}
+        for sample, boxed, correct in zip(original["samples"], [True, False, True, False],
+                                          [True, True, False, False])]}
+    data = tmp_path / "verified.jsonl"
+    data.write_text(json.dumps(unboxed) + "\n")
+    groups, _ = run_filter(cli, tmp_path, "--recipe", "svs", "--format-weight", "0.1", data)
+    assert groups[0]["rewards"] == approx([1.0, 0.9, 0.1, 0.0])
+
+
 # ------------------------------------------------------------------ shell pipelines (scripted backend)
 
 def test_pipeline_wist_with_logprobs(tmp_path):

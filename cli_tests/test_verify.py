@@ -109,3 +109,59 @@ def test_no_eval_of_model_text(tmp_path):
     evil = rf"\boxed{{__import__('os').system('touch {marker}')}}"
     grade({"texts": [evil], "gold": "0"})
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- answers without \boxed{}
+# Phrasings of the kinds in math-verify's regression tables (written for this project): with no
+# boxed answer, grading falls back to math-verify's own extraction; --require-boxed does not.
+
+@pytest.mark.parametrize("text,gold,expected", [
+    ("The final answer is $6$.", "6", True),
+    ("The final answer is $7$.", "6", False),
+    ("Final Answer: The final answer is $\\frac{3}{4}$. I hope it is correct.", "0.75", True),
+    ("Answer: \\( \\frac{10}{9} \\)", "10/9", True),
+    ("Working it out we get\n\\[\n2\\sqrt{2}\n\\]", "\\sqrt{8}", True),
+    ("So the total is $1,250.50 after tax.", "1250.5", True),
+    ("Therefore the answer is x = 12", "12", True),
+    ("The interval is $[0, 1)$.", "[0,1)", True),
+    ("The interval is $(0, 1]$.", "[0,1)", False),
+    ("Thus the remainder is 4 and the quotient 17, so the answer is 17", "17", True),
+    # boxes: intermediate boxes then a stated final answer; two boxes side by side are one answer
+    ("Half is \\boxed{200}, then \\boxed{255}. Final Answer: The final answer is $10,455$. I hope it is correct.",
+     "10455", True),
+    ("The integers are \\boxed{-2} and \\boxed{1}.", "1, -2", True),
+    ("The integers are \\boxed{-2} and \\boxed{1}.", "1", False),
+    ("First \\boxed{3}. Much later, after more work, we see the answer is \\boxed{4}.", "4", True),
+])
+def test_grading_without_a_box_falls_back_to_math_verify_extraction(text, gold, expected):
+    result = grade({"texts": [text], "gold": gold})
+    assert result["correct"] == [expected], result["answers"]
+
+
+def test_fallback_answers_are_marked_unboxed_and_require_boxed_is_strict():
+    texts = [r"so \boxed{6}.", "The final answer is $6$.", "I am not sure."]
+    lenient = grade({"texts": texts, "gold": "6"})
+    assert lenient["answers"] == ["6", "6", None]
+    assert lenient["boxed"] == [True, False, False]
+    assert lenient["correct"] == [True, True, False]
+    assert lenient["majority_frac"] == pytest.approx(2 / 3)
+    strict = grade({"texts": texts, "gold": "6", "require_boxed": True})
+    assert strict["answers"] == ["6", None, None] and strict["correct"] == [True, False, False]
+
+
+def test_verify_cli_grades_unboxed_answers_and_require_boxed_restores_strictness(tmp_path):
+    record = {"id": "q", "question": "2*3?", "answer": "6",
+              "samples": samples("The final answer is $6$.", r"It is \boxed{6}.", "The final answer is $5$.")}
+    path = write_jsonl(tmp_path / "in.jsonl", [record])
+    lenient = run_sptool("verify", "--workers", "1", str(path))
+    assert lenient.returncode == 0, lenient.stderr
+    [out] = read_jsonl(lenient.stdout)
+    assert [s["correct"] for s in out["samples"]] == [True, True, False]
+    assert [s["boxed"] for s in out["samples"]] == [False, True, False]
+    assert out["p_hat"] == pytest.approx(2 / 3)
+    assert "2 answers found without \\boxed{}" in lenient.stderr
+    strict = run_sptool("verify", "--workers", "1", "--require-boxed", str(path))
+    assert strict.returncode == 0, strict.stderr
+    [out] = read_jsonl(strict.stdout)
+    assert [s["correct"] for s in out["samples"]] == [False, True, False]
+    assert [s["answer"] for s in out["samples"]] == [None, "6", None]

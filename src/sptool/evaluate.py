@@ -1,6 +1,7 @@
 """``eval``: greedy accuracy, mean@k and pass@k on benchmark JSONL (``question``, ``answer``).
 
-Grading is the same as ``verify`` (math-verify, gold first). pass@k uses the unbiased
+Grading is the same as ``verify`` (math-verify, gold first; a sample without ``\\boxed{}`` falls back
+to math-verify's own extraction unless ``require_boxed``). pass@k uses the unbiased
 estimator of Chen et al. (2021), the standard in RLVR papers (SvS reports pass@k this way).
 """
 
@@ -60,8 +61,8 @@ class BenchmarkResult:
 def evaluate_benchmark(name: str, records: Iterable[dict], backend: Backend, *, samples: int = 8,
                        ks: tuple[int, ...] = (1, 8), params: SamplingParams | None = None,
                        greedy: bool = True, workers: int = 2, deadline_s: float = 30.0,
-                       batch_size: int = 16, verifier: VerifyStage | None = None
-                       ) -> tuple[BenchmarkResult, list[dict]]:
+                       batch_size: int = 16, verifier: VerifyStage | None = None,
+                       require_boxed: bool = False) -> tuple[BenchmarkResult, list[dict]]:
     """Sample ``samples`` solutions per problem, grade them, aggregate. Returns the result and the
     graded records (so a caller can keep them). A caller's ``verifier`` is used and left open."""
     params = params or SamplingParams()
@@ -76,7 +77,7 @@ def evaluate_benchmark(name: str, records: Iterable[dict], backend: Backend, *, 
     result = BenchmarkResult(name=name, problems=len(problems), samples_per_problem=samples)
     own_verifier = verifier is None
     if own_verifier:
-        verifier = VerifyStage(workers=workers, deadline_s=deadline_s)
+        verifier = VerifyStage(workers=workers, deadline_s=deadline_s, require_boxed=require_boxed)
     try:
         solved = list(SolveStage(backend, samples=samples, params=params,
                                  batch_size=batch_size).run(iter(problems)))

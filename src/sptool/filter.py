@@ -171,6 +171,12 @@ def samples_of(record: dict) -> list[dict]:
     return samples
 
 
+def has_boxed_answer(sample: dict) -> bool:
+    """The format term's test: the sample's graded answer came from a ``\\boxed{}`` (``verify``
+    also grades answers it finds without one, marking them ``boxed: false``)."""
+    return sample.get("answer") is not None and sample.get("boxed", True) is not False
+
+
 def finish_reasons_of(items: list[dict]) -> list | None:
     """Each completion's ``finish_reason`` ("stop"/"length") when every one carries it."""
     if items and all(item.get("finish_reason") in ("stop", "length") for item in items):
@@ -378,7 +384,7 @@ class FilterStage(Stage):
 
     def _pseudo_label_solver_group(self, record: dict, majority: str) -> dict | None:
         correct = self._correct_vs_majority(record, majority)
-        rewards = [R.pseudo_label_solver_reward(c, s.get("answer") is not None, self.options.format_weight)
+        rewards = [R.pseudo_label_solver_reward(c, has_boxed_answer(s), self.options.format_weight)
                    for c, s in zip(correct, samples_of(record))]
         group = self.solver_group(record, rewards, pseudo_label=majority)
         if group is not None:
@@ -504,7 +510,8 @@ class FilterStage(Stage):
             self.drop(record, "validity: needs samples from `solve --mode validity`")
             return None
         invalid = self.problem_is_invalid(record)
-        rewards = [R.validity_init_reward(s.get("answer"), problem_invalid=invalid,
+        rewards = [R.validity_init_reward(s.get("answer") if has_boxed_answer(s) else None,
+                                          problem_invalid=invalid,
                                           correct=s.get("correct"))
                    for s in samples]
         prompt = record.get("solve_prompt")
@@ -563,7 +570,7 @@ class FilterStage(Stage):
     def _svs_solver(self, record: dict, what: str) -> dict | None:
         # w = 0: the binary reward of SvS Eq. 4, and "rewards differ" is Algorithm 1's 0 < Acc < 1
         weight = self.options.format_weight
-        rewards = [R.pseudo_label_solver_reward(s.get("correct"), s.get("answer") is not None, weight)
+        rewards = [R.pseudo_label_solver_reward(s.get("correct"), has_boxed_answer(s), weight)
                    for s in samples_of(record)]
         if not R.rewards_differ(rewards):
             self.drop(record, f"solver: {what} Acc is 0 or 1" if not weight else

@@ -4,6 +4,10 @@ For each solved question with samples ``y_1..y_K``:
 
 - the final answer of each sample is the content of its last ``\\boxed{…}``; ``INVALID`` there
   (R-Quest's validity mode) counts towards ``invalid_frac`` u = #INVALID / K;
+- a sample without a boxed answer falls back to math-verify's own extraction from the whole text
+  ("The final answer is $6$.", "Answer: \\( \\frac{1}{2} \\)", a last number …), so grading is at
+  least as lenient as math-verify; such a sample has ``boxed: false`` (the format term of the
+  rewards still asks for ``\\boxed{}``), and ``require_boxed`` turns the fallback off;
 - correctness uses math-verify with the gold answer first (``verify(gold, pred)``; it is not
   symmetric);
 - answers are grouped into equivalence classes by math-verify (not string equality); the
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 from sptool.records import SOLVED, answer_text
 from sptool.rewards import empirical_accuracy, empirical_variance
@@ -47,17 +51,80 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def _boxes(text: str) -> list[tuple[int, int, str]]:
+    """The outermost ``\\boxed{…}`` of ``text``: (start, end, stripped content), in order."""
+    boxes: list[tuple[int, int, str]] = []
+    for match in _BOXED.finditer(text):
+        if boxes and match.start() < boxes[-1][1]:
+            continue  # nested in the previous box
+        depth, start = 1, match.end()
+        for position in range(start, len(text)):
+            char = text[position]
+            if char == "{":
+                depth += 1
+            elif char == "}":
+                depth -= 1
+                if depth == 0:
+                    boxes.append((match.start(), position + 1, text[start:position].strip()))
+                    break
+    return boxes
+
+
+# What may stand between boxed answers that together are one answer ("\boxed{-2} and \boxed{1}").
+_BOX_JOINER = re.compile(r"(?:\s|[,;~]|\$|\\[,;:!]|\\q?quad|\\text\{\s*(?:and|or)\s*\}|\band\b|\bor\b"
+                         r"|\\[\[\]()])*")
+# A final-answer statement after the last box outranks it, as in math-verify's own extraction.
+_FINAL_ANSWER_AFTER = re.compile(r"final answer\W{0,3}\s*(?:the final answer\s*)?is\b", re.IGNORECASE)
+
+
+def _final_boxed(text: str) -> tuple[str | None, int]:
+    """The last boxed answer (adjacent boxes joined as a list) and where it ends in ``text``."""
+    boxes = _boxes(text)
+    if not boxes:
+        return last_boxed(text), len(text)
+    group = [boxes[-1]]
+    for box in reversed(boxes[:-1]):
+        if not _BOX_JOINER.fullmatch(text, box[1], group[0][0]):
+            break
+        group.insert(0, box)
+    contents = list(dict.fromkeys(content for _, _, content in group if content))
+    if len(contents) <= 1:
+        return last_boxed(text), boxes[-1][1]
+    return ", ".join(contents), boxes[-1][1]
+
+
 def extract_final_answer(text: str) -> str | None:
-    """The sample's final answer: the last boxed content; ``INVALID`` normalised."""
-    answer = last_boxed(text)
-    if answer is None:
-        return None
-    if re.fullmatch(r"(\\text\{)?\s*invalid\s*\}?", answer, flags=re.IGNORECASE):
+    """The sample's final answer: the last boxed content (boxes side by side, as in
+    "\\boxed{-2} and \\boxed{1}", joined into one list); ``INVALID`` normalised."""
+    return _invalid_normalised(_final_boxed(text)[0])
+
+
+def _invalid_normalised(answer: str | None) -> str | None:
+    if answer is not None and re.fullmatch(r"(\\text\{)?\s*invalid\s*\}?", answer, flags=re.IGNORECASE):
         return INVALID
     return answer
 
 
 # ---------------------------------------------------------------- worker side (pure functions)
+
+class FinalAnswer(NamedTuple):
+    """One sample's final answer as graded.
+
+    ``text`` is what the record stores as the sample's ``answer``; ``boxed`` says whether it came
+    from ``\\boxed{}`` (else from math-verify's extraction); ``key`` identifies it in the
+    equivalence cache; ``parsed`` is math-verify's parse when extraction already made it.
+    """
+
+    text: str
+    boxed: bool
+    key: tuple
+    parsed: Any = None
+
+
+def boxed_answer(text: str) -> FinalAnswer:
+    """A boxed (or reference) answer string, parsed lazily."""
+    return FinalAnswer(text, True, ("boxed", text))
+
 
 @functools.lru_cache(maxsize=65536)
 def parse_answer(answer: str):
@@ -70,33 +137,81 @@ def parse_answer(answer: str):
     return parsed
 
 
-@functools.lru_cache(maxsize=262144)
-def answers_equivalent(gold: str, predicted: str) -> bool:
-    """math-verify equivalence, gold first (cached on the pair of strings)."""
-    if gold == predicted:
+@functools.lru_cache(maxsize=4096)
+def parse_completion(text: str):
+    """math-verify's own extraction from a whole completion (its default LaTeX and expression
+    targets: "final answer is", the last ``$…$``, ``\\[…\\]``, a last number …)."""
+    from math_verify import parse
+
+    return parse(text, parsing_timeout=5)
+
+
+def final_answer(text: str, *, require_boxed: bool = False) -> FinalAnswer | None:
+    """The sample's final answer: its last ``\\boxed{}`` (``INVALID`` normalised), else, unless
+    ``require_boxed``, what math-verify's extraction finds in the text; None when neither.
+
+    Unless ``require_boxed``, a "final answer is …" statement after the last box outranks the
+    box (models that box intermediate results, then state the answer), as in math-verify."""
+    answer, end = _final_boxed(text)
+    answer = _invalid_normalised(answer)
+    if require_boxed:
+        return None if answer is None else boxed_answer(answer)
+    if answer is not None:
+        tail = text[end:]
+        if not _FINAL_ANSWER_AFTER.search(tail):
+            return boxed_answer(answer)
+        text = tail  # "… \\boxed{200} … The final answer is $10,455$.": the statement wins
+    parsed = parse_completion(text)
+    if not parsed:
+        return None if answer is None else boxed_answer(answer)
+    shown = str(parsed[-1]).strip() or str(parsed[0])
+    return FinalAnswer(shown, False, ("extracted", shown, str(parsed[0])), parsed)
+
+
+_EQUIVALENT: dict[tuple, bool] = {}
+_EQUIVALENT_MAX = 262144
+
+
+def equivalent(gold: FinalAnswer, predicted: FinalAnswer) -> bool:
+    """math-verify equivalence, gold first (cached on the pair of answer keys)."""
+    if gold.key == predicted.key:
         return True
-    from math_verify import verify
+    pair = (gold.key, predicted.key)
+    verdict = _EQUIVALENT.get(pair)
+    if verdict is None:
+        from math_verify import verify
 
-    gold_parsed, predicted_parsed = parse_answer(gold), parse_answer(predicted)
-    if not gold_parsed or not predicted_parsed:
-        return False
-    return bool(verify(gold_parsed, predicted_parsed, timeout_seconds=5))
+        gold_parsed = gold.parsed if gold.parsed is not None else parse_answer(gold.text)
+        predicted_parsed = predicted.parsed if predicted.parsed is not None else parse_answer(predicted.text)
+        verdict = bool(gold_parsed and predicted_parsed
+                       and verify(gold_parsed, predicted_parsed, timeout_seconds=5))
+        if len(_EQUIVALENT) >= _EQUIVALENT_MAX:
+            _EQUIVALENT.clear()
+        _EQUIVALENT[pair] = verdict
+    return verdict
 
 
-def majority_classes(answers: list[str | None]) -> list[list[int]]:
-    """Equivalence classes (indices into ``answers``) of the non-empty, non-INVALID answers.
+def answers_equivalent(gold: str, predicted: str) -> bool:
+    """math-verify equivalence of two answer strings, gold first (cached)."""
+    return equivalent(boxed_answer(gold), boxed_answer(predicted))
+
+
+def majority_classes(answers: list) -> list[list[int]]:
+    """Equivalence classes (indices into ``answers``) of the non-empty, non-INVALID answers
+    (strings or :class:`FinalAnswer`).
 
     Each answer joins the first class whose representative it is equivalent to (checked both
     ways, since math-verify is not symmetric); classes are returned largest first, ties by first
     occurrence.
     """
+    items = [boxed_answer(a) if isinstance(a, str) else a for a in answers]
     classes: list[list[int]] = []
-    for index, answer in enumerate(answers):
-        if answer is None or answer == INVALID:
+    for index, answer in enumerate(items):
+        if answer is None or answer.text == INVALID:
             continue
         for members in classes:
-            representative = answers[members[0]]
-            if answers_equivalent(representative, answer) or answers_equivalent(answer, representative):
+            representative = items[members[0]]
+            if equivalent(representative, answer) or equivalent(answer, representative):
                 members.append(index)
                 break
         else:
@@ -107,19 +222,23 @@ def majority_classes(answers: list[str | None]) -> list[list[int]]:
 def warm_up() -> None:
     """Import math-verify (and sympy) and exercise it once, before any deadline starts."""
     answers_equivalent("1", "1.0")
+    parse_completion("The final answer is $1$.")
 
 
 def grade(task: dict) -> dict:
-    """Grade one solved question: ``{"texts": [...], "gold": str|None}`` → verdict fields."""
+    """Grade one solved question: ``{"texts": [...], "gold": str|None, "require_boxed": bool}``
+    → verdict fields."""
     texts: list[str] = task["texts"]
     gold: str | None = task["gold"]
     k = len(texts)
-    answers = [extract_final_answer(text) for text in texts]
-    classes = majority_classes(answers)
+    finals = [final_answer(text, require_boxed=task.get("require_boxed", False)) for text in texts]
+    answers = [final.text if final else None for final in finals]
+    classes = majority_classes(finals)
     majority_members = set(classes[0]) if classes else set()
     majority = answers[classes[0][0]] if classes else None
     if gold is not None:
-        correct = [a is not None and a != INVALID and answers_equivalent(gold, a) for a in answers]
+        reference = boxed_answer(gold)
+        correct = [f is not None and f.text != INVALID and equivalent(reference, f) for f in finals]
         label_source = "reference"
     else:
         correct = [index in majority_members for index in range(k)]
@@ -127,6 +246,7 @@ def grade(task: dict) -> dict:
     p_hat = empirical_accuracy(correct)
     return {
         "answers": answers,
+        "boxed": [bool(final and final.boxed) for final in finals],
         "correct": correct,
         "p_hat": p_hat,
         "var": empirical_variance(p_hat),
@@ -144,8 +264,10 @@ SUMMARY_FIELDS = ("p_hat", "var", "majority", "majority_frac", "invalid_frac", "
                   "label_source")
 
 class VerifyStage(Stage):
-    """Adds per-sample ``answer``/``correct`` and ``p_hat``, ``var``, ``majority``,
+    """Adds per-sample ``answer``/``boxed``/``correct`` and ``p_hat``, ``var``, ``majority``,
     ``majority_frac``, ``invalid_frac`` to each solved question.
+
+    ``require_boxed``: only ``\\boxed{}`` answers count (no fallback to math-verify's extraction).
 
     A question whose grading overruns ``deadline_s`` is emitted with ``verify_error`` (and null
     statistics) instead of hanging the stage.
@@ -154,14 +276,17 @@ class VerifyStage(Stage):
     name = "verify"
     input_kind = SOLVED
 
-    def __init__(self, *, workers: int = 2, deadline_s: float = 30.0, pseudo_label: bool = False):
+    def __init__(self, *, workers: int = 2, deadline_s: float = 30.0, pseudo_label: bool = False,
+                 require_boxed: bool = False):
         super().__init__()
         self.pool = DeadlinePool(grade, workers=workers, deadline_s=deadline_s, warmup=warm_up)
         self.pseudo_label = pseudo_label
+        self.require_boxed = require_boxed
 
     def _task(self, record: dict) -> dict:
         gold = None if self.pseudo_label else answer_text(record.get("answer"))
-        return {"texts": [sample["text"] for sample in record["samples"]], "gold": gold}
+        return {"texts": [sample["text"] for sample in record["samples"]], "gold": gold,
+                "require_boxed": self.require_boxed}
 
     def process(self, records: Iterator[dict]) -> Iterator[dict]:
         buffered: list[dict] = []
@@ -185,12 +310,17 @@ class VerifyStage(Stage):
             record.update({key: None for key in SUMMARY_FIELDS}, verify_error=str(result))
             for sample in record["samples"]:
                 sample.setdefault("answer", extract_final_answer(sample["text"]))
+                sample["boxed"] = last_boxed(sample["text"]) is not None
                 sample["correct"] = None
             self._keep_by_mode(record)
             return record
-        for sample, answer, correct in zip(record["samples"], result["answers"], result["correct"]):
+        for sample, answer, boxed, correct in zip(record["samples"], result["answers"], result["boxed"],
+                                                  result["correct"]):
             sample["answer"] = answer
+            sample["boxed"] = boxed
             sample["correct"] = correct
+            if answer is not None and not boxed:
+                self.stats.notes["answers found without \\boxed{} (math-verify extraction)"] += 1
         for key in SUMMARY_FIELDS:
             record[key] = result[key]
         record["verify_error"] = None

@@ -43,6 +43,10 @@ GenBatchSizeOpt = typer.Option(64, "--gen-batch-size", help="Sequences per forwa
 DeviceOpt = typer.Option(None, "--device", envvar="SPTOOL_DEVICE",
                          help="cpu, cuda, cuda:1 … (default: cuda when available).")
 DtypeOpt = typer.Option(None, "--dtype", help="auto, bf16, fp16, fp32.")
+RequireBoxedOpt = typer.Option(
+    False, "--require-boxed",
+    help="Grade only \\boxed{} answers (default: a sample without one falls back to math-verify's "
+         "own extraction, e.g. 'The final answer is $6$.').")
 LogprobsOpt = typer.Option(False, "--logprobs", help="Store per-token log-probabilities.")
 
 

@@ -30,6 +30,7 @@ def evaluate(
     no_chat_template: bool = typer.Option(False, "--no-chat-template"),
     device: Optional[str] = typer.Option(None, "--device", envvar="SPTOOL_DEVICE"),
     workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", envvar="SPTOOL_WORKERS"),
+    require_boxed: bool = common.RequireBoxedOpt,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (for scripts) instead of a table."),
     samples_out: Optional[str] = typer.Option(None, "--samples-out", help="Write graded samples (JSONL) here."),
     quiet: bool = common.QuietOpt,
@@ -53,7 +54,8 @@ def evaluate(
     for name, records in records_by_name.items():
         with common.Progress(f"eval {name}", quiet, unit="benchmarks"):
             result, graded = evaluate_benchmark(name, records, engine, samples=samples, ks=ks,
-                                                params=params, greedy=not no_greedy, workers=workers)
+                                                params=params, greedy=not no_greedy, workers=workers,
+                                                require_boxed=require_boxed)
         results.append(result)
         graded_all.extend({**r, "benchmark": name} for r in graded)
     if samples_out:

@@ -23,6 +23,7 @@ def verify(
                                    help="Hard limit in seconds per question; overruns become verify_error."),
     pseudo_label: bool = typer.Option(False, "--pseudo-label",
                                       help="Ignore 'answer' and grade against the majority answer."),
+    require_boxed: bool = common.RequireBoxedOpt,
     quiet: bool = common.QuietOpt,
     skip_invalid: bool = common.SkipInvalidOpt,
     rejects: Optional[str] = common.RejectsOpt,
@@ -30,6 +31,7 @@ def verify(
     """Grade solved questions: per-sample answer/correct, p_hat, var, majority, invalid_frac."""
     from sptool.verify import VerifyStage
 
-    stage = VerifyStage(workers=workers, deadline_s=deadline, pseudo_label=pseudo_label)
+    stage = VerifyStage(workers=workers, deadline_s=deadline, pseudo_label=pseudo_label,
+                        require_boxed=require_boxed)
     common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
                      skip_invalid=skip_invalid, rejects=rejects)
