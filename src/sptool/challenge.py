@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 from sptool import rewards as R
 from sptool.models.base import Backend, Prompt, Sample, SamplingParams
-from sptool.prompts import fill_template, load_template
+from sptool.prompts import PromptSpec, load_prompt
 from sptool.registry import Registry
 from sptool.records import (ANSWER, Field, InputError, RecordKind, UsageError, _non_empty,
                             _samples_check, answer_text, content_id, ensure_id, iter_chunks)
@@ -270,17 +270,13 @@ def _sample_fields(sample: Sample) -> dict[str, Any]:
     return fields
 
 
-def _user_prompt(template: str, record: dict, **extra) -> list[dict[str, str]]:
-    return [{"role": "user", "content": fill_template(template, record, **extra)}]
-
-
 class _GeneratingStage(Stage):
-    """What the three challenge stages share: backend, sampling params, template, batching."""
+    """What the three challenge stages share: backend, sampling params, prompt, batching."""
 
-    template_name = ""
+    role = ""  # the prompt role (sptool.prompts.ROLES)
 
     def __init__(self, backend: Backend, *, candidates: int = 8, params: SamplingParams | None = None,
-                 prompt: str | None = None, batch_size: int = 4):
+                 prompt: str | PromptSpec | None = None, batch_size: int = 4):
         super().__init__()
         if candidates < 1:
             raise UsageError(f"-n/--candidates must be >= 1, got {candidates}")
@@ -288,14 +284,16 @@ class _GeneratingStage(Stage):
             raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
         self.backend = backend
         self.candidates = candidates
-        self.params = params or SamplingParams()
-        self.template = load_template(prompt or self.template_name)
+        self.prompt = prompt if isinstance(prompt, PromptSpec) else load_prompt(self.role, prompt)
+        self.params = self.prompt.sampling(params or SamplingParams())
         self.batch_size = batch_size
         self._calls = 0
 
-    def _generate(self, prompts: list[Prompt], n: int) -> list[list[Sample]]:
+    def _generate(self, prompts: list[Prompt], n: int, params: SamplingParams | None = None
+                  ) -> list[list[Sample]]:
         """One backend call; the seed moves with the call number so batches differ but reruns match."""
-        params = dataclasses.replace(self.params, seed=self.params.seed * 7919 + self._calls)
+        params = params or self.params
+        params = dataclasses.replace(params, seed=self.params.seed * 7919 + self._calls)
         self._calls += 1
         return self.backend.generate(prompts, n, params)
 
@@ -327,7 +325,7 @@ class DocumentChallengeStage(_GeneratingStage):
 
     name = "challenge"
     input_kind = DOCUMENT
-    template_name = "challenge_documents"
+    role = "challenger"
 
     def __init__(self, backend: Backend, *, max_document_chars: int = 6000, **options):
         super().__init__(backend, **options)
@@ -337,8 +335,7 @@ class DocumentChallengeStage(_GeneratingStage):
         text = document["text"]
         if len(text) > self.max_document_chars:
             text = text[:self.max_document_chars].rsplit(" ", 1)[0] + " …"
-        return _user_prompt(self.template, document, text=text,
-                            title=document.get("title") or "(untitled)")
+        return self.prompt.messages(document, text=text, title=document.get("title") or "(untitled)")
 
     def process(self, records: Iterator[dict]) -> Iterator[dict]:
         for batch in iter_chunks(records, self.batch_size):
@@ -384,17 +381,34 @@ class _TopicKind(RecordKind):
 TOPIC = _TopicKind("topic", ())
 
 
+def continue_reply(text: str, continuation: str) -> str:
+    """``text`` continued with ``continuation``, without repeating what ``text`` already ends
+    with (``"…?</question>"`` + ``"</question>\\n\\boxed{"`` → ``"…?</question>\\n\\boxed{"``)."""
+    for overlap in range(min(len(text), len(continuation)), 0, -1):
+        if text.endswith(continuation[:overlap]):
+            return text + continuation[overlap:]
+    return text + continuation
+
+
 class NothingChallengeStage(_GeneratingStage):
     """R-Zero/R-Quest questioner: ``candidates`` problems per seed, ``batch_size`` per group.
 
     With ``unseeded=True`` the input is ignored and one empty seed is used (no topic); otherwise
     every input record is a topic seed. ``answer`` stays null (the solver's majority vote gives
     the pseudo-label); the questioner's own boxed answer is kept as ``questioner_answer``.
+
+    When the prompt has an answer phase (``answer_prefix``, e.g. the packaged ``arithmetic``
+    questioner), each reply is generated in two short steps: the question, from the response
+    prefix (``<question>``) to a stop string (``?``, ``</question>``); then, for every reply that
+    stopped, the same reply continued with ``answer_prefix`` (``</question>\\n\\boxed{``) up to
+    ``answer_stop`` (``}``) within ``answer_max_tokens``. ``raw`` is the whole reply; ``n_tokens``
+    counts both steps' generated tokens; the sampling log-probs are dropped (the reply holds forced
+    text between the two steps).
     """
 
     name = "challenge"
     input_kind = TOPIC
-    template_name = "challenge_nothing"
+    role = "questioner"
 
     def __init__(self, backend: Backend, *, unseeded: bool = True, **options):
         super().__init__(backend, **options)
@@ -405,12 +419,13 @@ class NothingChallengeStage(_GeneratingStage):
         for seed_record in seeds:
             topic = topic_of(seed_record) if seed_record is not None else None
             hint = f"\nThe problem must be about: {topic}." if topic else ""
-            prompt = _user_prompt(self.template, seed_record or {}, topic_hint=hint,
-                                  topic=topic or "")
+            prompt = self.prompt.messages(seed_record or {}, topic_hint=hint, topic=topic or "")
             remaining, chunk = self.candidates, 0
             while remaining > 0:
                 size = min(self.batch_size, remaining)
                 samples = self._generate([prompt], size)[0]
+                if self.prompt.answer_prefix:
+                    samples = self._answer_phase(prompt, samples)
                 group_id = content_id("questioner", topic, self.params.seed, chunk)
                 for index, sample in enumerate(samples):
                     question, own_answer, reason = parse_questioner_output(sample.text)
@@ -431,6 +446,25 @@ class NothingChallengeStage(_GeneratingStage):
                     yield record
                 remaining -= size
                 chunk += 1
+
+    def _answer_phase(self, prompt: list[dict[str, str]], samples: list[Sample]) -> list[Sample]:
+        """Continue every question that stopped with ``answer_prefix`` and generate its answer."""
+        spec = self.prompt
+        todo = [index for index, sample in enumerate(samples) if sample.finish_reason == "stop"]
+        if not todo:
+            return samples
+        user = [message for message in prompt if message.get("role") != "assistant"]
+        continued = [user + [{"role": "assistant", "content": continue_reply(samples[i].text, spec.answer_prefix)}]
+                     for i in todo]
+        params = dataclasses.replace(self.params, stop=tuple(spec.answer_stop),
+                                     max_new_tokens=spec.answer_max_tokens, logprobs=False)
+        answers = self._generate(continued, 1, params)
+        merged = list(samples)
+        for index, outputs in zip(todo, answers):
+            first, second = samples[index], outputs[0]
+            merged[index] = Sample(text=second.text, n_tokens=first.n_tokens + second.n_tokens,
+                                   finish_reason=second.finish_reason, stop_string=second.stop_string)
+        return merged
 
 
 # ---------------------------------------------------------------- --from solutions (SvS)
@@ -466,7 +500,7 @@ class SolutionChallengeStage(_GeneratingStage):
 
     name = "challenge"
     input_kind = VERIFIED
-    template_name = "challenge_solutions"
+    role = "synthesis"
 
     def __init__(self, backend: Backend, *, band: tuple[float, float] = R.SVS_UNDERPERFORMING_BAND,
                  strict_band: bool = False, max_solutions: int = 8, **options):
@@ -497,7 +531,7 @@ class SolutionChallengeStage(_GeneratingStage):
         for batch in iter_chunks(records, self.batch_size):
             jobs = [job for record in batch for job in self._jobs(record)]
             for chunk in iter_chunks(jobs, self.batch_size):
-                prompts = [_user_prompt(self.template, record, solution=sample["text"])
+                prompts = [self.prompt.messages(record, solution=sample["text"])
                            for record, _, sample in chunk]
                 outputs = self._generate(prompts, self.candidates)
                 for (parent, solution_index, _), prompt, samples in zip(chunk, prompts, outputs):

@@ -20,7 +20,7 @@ import re
 from typing import Iterator
 
 from sptool.models.base import Backend, SamplingParams
-from sptool.prompts import fill_template, load_template
+from sptool.prompts import PromptSpec, load_prompt
 from sptool.records import Field, InputError, RecordKind, UsageError, content_id, ensure_id, iter_chunks
 from sptool.stage import Stage
 
@@ -120,20 +120,21 @@ class NoveltyStage(Stage):
     input_kind = CANDIDATE
 
     def __init__(self, judge: Backend, *, k: int = 8, batch_size: int = 2048, seed: int = 0,
-                 max_new_tokens: int = 16, prompt: str | None = None, judge_batch_size: int = 256):
+                 max_new_tokens: int = 16, prompt: str | PromptSpec | None = None,
+                 judge_batch_size: int = 256):
         super().__init__()
         if k < 1:
             raise UsageError(f"-k/--compare must be >= 1, got {k}")
         if batch_size < 2:
             raise UsageError(f"--batch-size must be >= 2, got {batch_size}")
         self.judge, self.k, self.batch_size, self.seed = judge, k, batch_size, seed
-        self.params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, seed=seed)
-        self.template = load_template(prompt or "novelty_judge")
+        self.prompt = prompt if isinstance(prompt, PromptSpec) else load_prompt("novelty", prompt)
+        self.params = self.prompt.sampling(SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,
+                                                          seed=seed))
         self.judge_batch_size = max(1, judge_batch_size)
 
     def judge_prompt(self, a: dict, b: dict) -> list[dict[str, str]]:
-        return [{"role": "user", "content": fill_template(self.template, a, problem_a=a["question"],
-                                                          problem_b=b["question"])}]
+        return self.prompt.messages(a, problem_a=a["question"], problem_b=b["question"])
 
     def process(self, records: Iterator[dict]) -> Iterator[dict]:
         for batch_number, batch in enumerate(iter_chunks(records, self.batch_size)):

@@ -1,8 +1,10 @@
 """``solve``: K sampled solutions per question from a generation backend.
 
 Two modes: ``math`` (reason step by step, final answer in ``\\boxed{}``) and ``validity``
-(R-Quest: the solver may answer ``\\boxed{INVALID}`` when the problem is flawed). Questions are
-batched: one backend call generates K samples for each of ``batch_size`` questions.
+(R-Quest: the solver may answer ``\\boxed{INVALID}`` when the problem is flawed), each with its
+prompt role (``solve``, ``validity``): a packaged prompt (``math``, ``direct`` …) or a template
+file, with its response prefix and stop strings (:mod:`sptool.prompts`). Questions are batched:
+one backend call generates K samples for each of ``batch_size`` questions.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ import dataclasses
 from typing import Iterator
 
 from sptool.models.base import Backend, SamplingParams
-from sptool.prompts import fill_template, load_template
+from sptool.prompts import PromptSpec, fill_template, load_prompt
 from sptool.records import QUESTION, UsageError, ensure_id, iter_chunks
 from sptool.stage import Stage
 from sptool.verify import extract_final_answer
 
-MODES = {"math": "solve_math", "validity": "solve_validity"}
+MODES = {"math": "solve", "validity": "validity"}  # mode -> prompt role
 
 
 def solve_prompt(template: str, record: dict) -> list[dict[str, str]]:
@@ -32,7 +34,7 @@ class SolveStage(Stage):
     input_kind = QUESTION
 
     def __init__(self, backend: Backend, *, samples: int = 8, mode: str = "math",
-                 params: SamplingParams | None = None, prompt: str | None = None,
+                 params: SamplingParams | None = None, prompt: str | PromptSpec | None = None,
                  batch_size: int = 16, skip_invalid_questions: bool = True):
         super().__init__()
         if mode not in MODES:
@@ -42,8 +44,8 @@ class SolveStage(Stage):
         self.backend = backend
         self.samples = samples
         self.mode = mode
-        self.params = params or SamplingParams()
-        self.template = load_template(prompt or MODES[mode])
+        self.prompt = prompt if isinstance(prompt, PromptSpec) else load_prompt(MODES[mode], prompt)
+        self.params = self.prompt.sampling(params or SamplingParams())
         self.batch_size = max(1, batch_size)
         self.skip_invalid_questions = skip_invalid_questions
 
@@ -55,7 +57,7 @@ class SolveStage(Stage):
                     continue  # generated questions already judged invalid: pass through unsolved
                 todo.append(record)
             if todo:
-                prompts = [solve_prompt(self.template, record) for record in todo]
+                prompts = [self.prompt.messages(record) for record in todo]
                 params = dataclasses.replace(self.params, seed=self.params.seed * 7919 + batch_number)
                 outputs = self.backend.generate(prompts, self.samples, params)
                 for record, prompt, samples in zip(todo, prompts, outputs):

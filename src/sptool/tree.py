@@ -426,18 +426,20 @@ class ExpandOptions:
                              f"{self.proposals}")
 
 
-def expansion_prompt(template: str, tree: dict, parent_id: str) -> list[dict[str, str]]:
-    """Chat messages asking for one new child of ``parent_id`` given its path and siblings."""
-    from sptool.prompts import fill_template
+def expansion_prompt(prompt, tree: dict, parent_id: str) -> list[dict[str, str]]:
+    """Chat messages asking for one new child of ``parent_id`` given its path and siblings
+    (``prompt``: a :class:`sptool.prompts.PromptSpec` of role ``tree``, or a template string)."""
+    from sptool.prompts import PromptSpec, load_prompt
 
+    if not isinstance(prompt, PromptSpec):
+        prompt = dataclasses.replace(load_prompt("tree"), template=prompt)
     labels = node_path_labels(tree, parent_id)
     siblings = [tree["nodes"][c]["label"] for c in real_children(tree, parent_id)]
     depth = tree["nodes"][parent_id]["depth"] + 1
     level = "specific, searchable concept" if depth >= tree["max_depth"] else "subfield"
-    text = fill_template(template, {}, domain=tree["domain"], path=" > ".join(labels),
-                         parent=labels[-1] if labels else tree["domain"],
-                         existing=", ".join(siblings) if siblings else "(none yet)", level=level)
-    return [{"role": "user", "content": text}]
+    return prompt.messages({}, domain=tree["domain"], path=" > ".join(labels),
+                           parent=labels[-1] if labels else tree["domain"],
+                           existing=", ".join(siblings) if siblings else "(none yet)", level=level)
 
 
 def choose_by_votes(labels: Sequence[str | None], min_votes: int) -> tuple[str | None, int]:
@@ -462,13 +464,13 @@ class TreeExpander:
     def __init__(self, backend, titles, *, params=None, options: ExpandOptions | None = None,
                  prompt: str | None = None, log: Callable[[str], None] | None = None):
         from sptool.models.base import SamplingParams
-        from sptool.prompts import load_template
+        from sptool.prompts import PromptSpec, load_prompt
 
         self.backend = backend
         self.titles = titles
-        self.params = params or SamplingParams(temperature=1.0, max_new_tokens=32)
+        self.prompt = prompt if isinstance(prompt, PromptSpec) else load_prompt("tree", prompt)
+        self.params = self.prompt.sampling(params or SamplingParams(temperature=1.0, max_new_tokens=32))
         self.options = options or ExpandOptions()
-        self.template = load_template(prompt or "tree_expand")
         self.log = log
         self.stats: Counter = Counter()
         self.rejections: list[dict] = []
@@ -476,7 +478,7 @@ class TreeExpander:
 
     def _propose(self, tree: dict, parent_id: str, seed: int) -> tuple[str | None, dict]:
         """One proposal round: ask the model (``proposals`` samples) and pick a label."""
-        prompt = expansion_prompt(self.template, tree, parent_id)
+        prompt = expansion_prompt(self.prompt, tree, parent_id)
         params = dataclasses.replace(self.params, seed=seed * 1_000_003 + self._calls)
         self._calls += 1
         samples = self.backend.generate([prompt], self.options.proposals, params)[0]

@@ -3,6 +3,16 @@
 A prompt is either a list of chat messages (``[{"role": "user", "content": ...}]``) or a plain
 string (base models without a chat template). A backend returns, for each prompt, ``n``
 :class:`Sample`s.
+
+Two things shape a reply, and every backend applies them the same way:
+
+- a **response prefix**: chat messages that end with an assistant message. Its content is put
+  right after the chat template's assistant header (``add_generation_prompt``), the model
+  continues from there, and the returned ``Sample.text`` begins with it (parsing sees the whole
+  reply); ``n_tokens``, ``logprobs`` and ``token_ids`` cover the generated tokens only;
+- **stop strings** (``SamplingParams.stop``): generation ends at the first one to appear in the
+  generated text; the text is cut right after it (the stop string is kept), ``finish_reason``
+  is ``"stop"`` and ``Sample.stop_string`` names it.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ class SamplingParams:
     max_new_tokens: int = 512
     seed: int = 0
     logprobs: bool = False  # return per-token log-probabilities of the sampled tokens
+    stop: tuple[str, ...] = ()  # stop strings: generation ends at the first (kept in the text)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -34,6 +45,9 @@ class SamplingParams:
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise UsageError(f"--max-tokens must be >= 1, got {self.max_new_tokens}")
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(item, str) or not item for item in self.stop):
+            raise UsageError(f"--stop strings must be non-empty, got {list(self.stop)}")
 
 
 @dataclass
@@ -45,13 +59,38 @@ class Sample:
     finish_reason: str = "stop"  # "stop" (EOS/stop string) or "length"
     logprobs: list[float] | None = None
     token_ids: list[int] | None = field(default=None, repr=False)
+    stop_string: str | None = None  # the stop string that ended it (None: EOS or length)
 
     def to_record(self) -> dict[str, Any]:
         record = asdict(self)
         record.pop("token_ids")
-        if record["logprobs"] is None:
-            record.pop("logprobs")
+        for key in ("logprobs", "stop_string"):
+            if record[key] is None:
+                record.pop(key)
         return record
+
+
+def split_response_prefix(prompt: Prompt) -> tuple[Prompt, str]:
+    """``(messages without the response prefix, prefix)``: a trailing assistant message is the
+    start of the reply (``""`` when there is none, and for a plain-string prompt)."""
+    if isinstance(prompt, list) and prompt and prompt[-1].get("role") == "assistant":
+        return prompt[:-1], prompt[-1].get("content") or ""
+    return prompt, ""
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...] | list[str]) -> tuple[str, str | None]:
+    """``text`` up to and including the stop string that ends first, and that string
+    (``(text, None)`` when none occurs). Ties (two ending at one place) go to the longer."""
+    best: tuple[int, int, str] | None = None
+    for item in stop:
+        position = text.find(item)
+        if position >= 0:
+            key = (position + len(item), -len(item), item)
+            if best is None or key < best:
+                best = key
+    if best is None:
+        return text, None
+    return text[:best[0]], best[2]
 
 
 class Backend(Protocol):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from sptool.models.base import Prompt, Sample, SamplingParams
+from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, split_response_prefix
 from sptool.models.resolve import resolve_model
 from sptool.records import RuntimeFailure, UsageError
 
@@ -47,15 +47,17 @@ def load_tokenizer(path: str):
 
 
 def render_prompt(tokenizer, prompt: Prompt, chat_template: bool = True) -> str:
-    """The exact text the model sees: chat template with generation prompt, or plain text.
+    """The exact text the model sees: chat template with generation prompt, or plain text, then
+    the response prefix (a trailing assistant message) if any.
 
-    Shared by generation and ``train-step`` so training scores exactly what was sampled.
+    Shared by every backend and by ``train-step`` so training scores exactly what was sampled.
     """
-    if isinstance(prompt, str):
-        return prompt
+    messages, prefix = split_response_prefix(prompt)
+    if isinstance(messages, str):
+        return messages + prefix
     if chat_template and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    return "\n\n".join(message["content"] for message in prompt) + "\n\n"
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefix
+    return "\n\n".join(message["content"] for message in messages) + "\n\n" + prefix
 
 
 class HFBackend:
@@ -105,6 +107,7 @@ class HFBackend:
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
         torch = self._torch
         texts = [self.render(p) for p in prompts]
+        prefixes = [split_response_prefix(p)[1] for p in prompts]
         jobs = [(index, text) for index, text in enumerate(texts) for _ in range(n)]
         results: list[list[Sample]] = [[] for _ in prompts]
         eos_ids = self._eos_ids()
@@ -119,6 +122,8 @@ class HFBackend:
                 return_dict_in_generate=True, output_logits=params.logprobs,
             )
             options.update(self.generate_options)
+            if params.stop:
+                options.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
             if sampling:
                 options.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
             else:
@@ -141,10 +146,30 @@ class HFBackend:
                         finish = "stop"
                         break
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                stop_string = None
+                if params.stop:
+                    ids, text, stop_string = self._cut_at_stop(ids, text, params.stop)
+                    finish = "stop" if stop_string is not None else finish
                 logprobs = logprob_rows[row][:len(ids)] if logprob_rows is not None else None
-                results[prompt_index].append(Sample(text=text, n_tokens=len(ids), finish_reason=finish,
-                                                    logprobs=logprobs, token_ids=ids))
+                results[prompt_index].append(Sample(text=prefixes[prompt_index] + text, n_tokens=len(ids),
+                                                    finish_reason=finish, logprobs=logprobs,
+                                                    token_ids=ids, stop_string=stop_string))
         return results
+
+    def _cut_at_stop(self, ids: list[int], text: str, stop) -> tuple[list[int], str, str | None]:
+        """Ids, text and stop string when a stop string ends the text: the text is cut right after
+        it, the ids after the first token that completes it (found by bisection)."""
+        text, stop_string = cut_at_stop(text, stop)
+        if stop_string is None:
+            return ids, text, None
+        low, high = 1, len(ids)  # the shortest prefix of ids whose text holds the stop string
+        while low < high:
+            middle = (low + high) // 2
+            if cut_at_stop(self.tokenizer.decode(ids[:middle], skip_special_tokens=True), stop)[1]:
+                high = middle
+            else:
+                low = middle + 1
+        return ids[:low], text, stop_string
 
     def _eos_ids(self) -> list[int]:
         ids = self.model.generation_config.eos_token_id

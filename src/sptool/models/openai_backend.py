@@ -26,7 +26,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from sptool.models.base import Prompt, Sample, SamplingParams
+from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, split_response_prefix
 from sptool.records import RuntimeFailure, UsageError
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
@@ -197,9 +197,15 @@ class OpenAIBackend:
             "temperature": params.temperature, "top_p": params.top_p if params.temperature > 0 else 1.0,
             "seed": seed,
         }
+        if params.stop:
+            # the stop strings, kept in the text like the other backends (a vLLM/SGLang extension)
+            body.update(stop=list(params.stop), include_stop_str_in_output=True)
         if self.tokenizer is None:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             body["messages"] = messages
+            if split_response_prefix(prompt)[1]:
+                # the reply continues the trailing assistant message (vLLM/SGLang extension)
+                body.update(add_generation_prompt=False, continue_final_message=True)
             if params.logprobs:
                 body["logprobs"] = True
             return "/chat/completions", body
@@ -220,9 +226,10 @@ class OpenAIBackend:
         choices = sorted(answer.get("choices", []), key=lambda choice: choice.get("index", 0))
         if len(choices) != n:
             raise RuntimeFailure(f"the server returned {len(choices)} choices for n={n}")
-        return [self._sample(choice, params) for choice in choices]
+        prefix = split_response_prefix(prompt)[1]
+        return [self._sample(choice, params, prefix) for choice in choices]
 
-    def _sample(self, choice: dict, params: SamplingParams) -> Sample:
+    def _sample(self, choice: dict, params: SamplingParams, prefix: str = "") -> Sample:
         if "message" in choice:  # chat endpoint
             text = (choice.get("message") or {}).get("content") or ""
             logprobs = None
@@ -244,8 +251,17 @@ class OpenAIBackend:
         else:
             n_tokens = max(1, len(text.split()))
         finish = "length" if choice.get("finish_reason") == "length" else "stop"
-        return Sample(text=text, n_tokens=n_tokens, finish_reason=finish, logprobs=logprobs,
-                      token_ids=token_ids)
+        stop_string = None
+        if params.stop:
+            reason = choice.get("stop_reason")  # vLLM: the stop string that matched
+            if finish == "stop" and isinstance(reason, str) and reason in params.stop \
+                    and not text.endswith(reason):
+                text += reason  # a server that drops the stop string from the text
+            text, stop_string = cut_at_stop(text, params.stop)
+            if stop_string is not None:
+                finish = "stop"
+        return Sample(text=prefix + text, n_tokens=n_tokens, finish_reason=finish, logprobs=logprobs,
+                      token_ids=token_ids, stop_string=stop_string)
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
         if not prompts:

@@ -6,6 +6,10 @@ queue is exhausted; a ``match`` line is used whenever its regex matches the rend
 ``{"match": REGEX, "outputs": [A, B, …]}`` gives sample i of a prompt ``outputs[i % len]``
 (deterministic per prompt, so a resumed run sees the same outputs).
 From Python, pass ``outputs=[...]`` or ``responder=lambda prompt_text, sample_index: text``.
+
+Like every backend, a response prefix (a trailing assistant message) starts the returned text (a
+scripted output that already begins with the prefix is taken as the whole reply) and the output
+is cut after the first stop string (``finish_reason`` "stop", ``stop_string`` set).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import re
 from typing import Callable
 
-from sptool.models.base import Prompt, Sample, SamplingParams
+from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, split_response_prefix
 from sptool.records import InputError
 
 
@@ -78,13 +82,18 @@ class ScriptedBackend:
         results = []
         rendered = [self.render(p) for p in prompts]
         self.calls.append(rendered)
-        for text in rendered:
+        for prompt, text in zip(prompts, rendered):
+            prefix = split_response_prefix(prompt)[1]
             samples = []
             for index in range(n):
                 output = self._next(text, index)
+                if prefix and output.startswith(prefix):
+                    output = output[len(prefix):]
+                output, stop_string = cut_at_stop(output, params.stop)
                 n_tokens = max(1, len(output.split()))
                 logprobs = [-1.0] * n_tokens if params.logprobs else None
-                samples.append(Sample(text=output, n_tokens=n_tokens, logprobs=logprobs))
+                samples.append(Sample(text=prefix + output, n_tokens=n_tokens, logprobs=logprobs,
+                                      stop_string=stop_string))
             results.append(samples)
         return results
 

@@ -27,7 +27,7 @@ import json
 import os
 from typing import Any
 
-from sptool.models.base import Prompt, Sample, SamplingParams
+from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, split_response_prefix
 from sptool.models.resolve import resolve_model
 from sptool.records import RuntimeFailure, UsageError
 
@@ -225,6 +225,7 @@ class VLLMBackend:
             n=n, temperature=params.temperature, top_p=1.0 if greedy else params.top_p, top_k=0,
             max_tokens=params.max_new_tokens, seed=seed, stop_token_ids=list(self.eos_ids),
             logprobs=0 if params.logprobs else None, skip_special_tokens=True,
+            stop=list(params.stop) or None, include_stop_str_in_output=True,
         )
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
@@ -235,7 +236,8 @@ class VLLMBackend:
                     for index in range(len(prompts))]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self.lora_request)
         results = []
-        for output in outputs:
+        for prompt, output in zip(prompts, outputs):
+            prefix = split_response_prefix(prompt)[1]
             samples = []
             for completion in sorted(output.outputs, key=lambda item: item.index):
                 ids = list(completion.token_ids)
@@ -243,8 +245,11 @@ class VLLMBackend:
                 if params.logprobs and completion.logprobs is not None:
                     logprobs = [float(step[token].logprob) for token, step in zip(ids, completion.logprobs)]
                 finish = "length" if completion.finish_reason == "length" else "stop"
-                samples.append(Sample(text=completion.text, n_tokens=len(ids), finish_reason=finish,
-                                      logprobs=logprobs, token_ids=ids))
+                text, stop_string = cut_at_stop(completion.text, params.stop)
+                if stop_string is not None:
+                    finish = "stop"
+                samples.append(Sample(text=prefix + text, n_tokens=len(ids), finish_reason=finish,
+                                      logprobs=logprobs, token_ids=ids, stop_string=stop_string))
             results.append(samples)
         return results
 
