@@ -229,6 +229,25 @@ def test_old_logprobs_equal_to_current_give_the_ratio_one_update(random_model_di
     assert metrics["clip_fraction"] > 0.2 and metrics["ratio_mean"] == pytest.approx(math.e, rel=1e-3)
 
 
+def test_response_prefix_is_prompt_and_a_stop_string_gets_no_eos(random_model_dir):
+    """A prompt ending in an assistant message (response prefix) renders with it, so the prefix
+    that begins each completion is scored as prompt, not trained; a stop-string end adds no EOS."""
+    from sptool.models.hf import render_prompt
+
+    trainer = make_trainer(random_model_dir)
+    tokenizer = trainer.tokenizer
+    prompt = [{"role": "user", "content": "Write a problem."}, {"role": "assistant", "content": "<question>"}]
+    sequences = trainer.encode_group(group(completions=["<question>How many?", "<question>Two cats"],
+                                           rewards=[1.0, 0.0], stop_strings=["?", None],
+                                           finish_reasons=["stop", "stop"]) | {"prompt": prompt})
+    expected_prompt = render_prompt(tokenizer, prompt[:1]) + "<question>"
+    assert expected_prompt.endswith("<|im_start|>assistant\n<question>")
+    assert sequences[0].prompt_ids == tokenizer(expected_prompt, add_special_tokens=False)["input_ids"]
+    assert sequences[0].completion_ids == tokenizer("How many?", add_special_tokens=False)["input_ids"]
+    assert sequences[1].completion_ids == tokenizer("Two cats", add_special_tokens=False)["input_ids"] + [
+        tokenizer.eos_token_id]
+
+
 def test_kl_to_reference_is_zero_at_start_then_positive(random_model_dir):
     trainer = make_trainer(random_model_dir, learning_rate=1e-2, beta=0.1)
     first = trainer.update(GROUPS[:2])

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from sptool.models.base import Backend, SamplingParams
+from sptool.prompts import PromptSpec, load_prompt
 from sptool.records import QUESTION, UsageError
 from sptool.solve import SolveStage
 from sptool.verify import VerifyStage
@@ -62,9 +63,12 @@ def evaluate_benchmark(name: str, records: Iterable[dict], backend: Backend, *, 
                        ks: tuple[int, ...] = (1, 8), params: SamplingParams | None = None,
                        greedy: bool = True, workers: int = 2, deadline_s: float = 30.0,
                        batch_size: int = 16, verifier: VerifyStage | None = None,
-                       require_boxed: bool = False) -> tuple[BenchmarkResult, list[dict]]:
+                       require_boxed: bool = False, prompt: str | PromptSpec | None = None
+                       ) -> tuple[BenchmarkResult, list[dict]]:
     """Sample ``samples`` solutions per problem, grade them, aggregate. Returns the result and the
-    graded records (so a caller can keep them). A caller's ``verifier`` is used and left open."""
+    graded records (so a caller can keep them). A caller's ``verifier`` is used and left open.
+    ``prompt`` is the solver prompt (role ``solve``: a packaged name, a file or a spec)."""
+    spec = prompt if isinstance(prompt, PromptSpec) else load_prompt("solve", prompt)
     params = params or SamplingParams()
     bad_ks = [k for k in ks if k > samples]
     if bad_ks:
@@ -79,7 +83,7 @@ def evaluate_benchmark(name: str, records: Iterable[dict], backend: Backend, *, 
     if own_verifier:
         verifier = VerifyStage(workers=workers, deadline_s=deadline_s, require_boxed=require_boxed)
     try:
-        solved = list(SolveStage(backend, samples=samples, params=params,
+        solved = list(SolveStage(backend, samples=samples, params=params, prompt=spec,
                                  batch_size=batch_size).run(iter(problems)))
         graded = list(verifier.run(iter(solved)))
         per_problem = [[bool(s.get("correct")) for s in r["samples"]] for r in graded]
@@ -92,7 +96,7 @@ def evaluate_benchmark(name: str, records: Iterable[dict], backend: Backend, *, 
             greedy_params = dataclasses.replace(params, temperature=0.0)
             fresh = [{key: value for key, value in r.items() if key in ("id", "question", "answer")}
                      for r in problems]
-            greedy_solved = list(SolveStage(backend, samples=1, params=greedy_params,
+            greedy_solved = list(SolveStage(backend, samples=1, params=greedy_params, prompt=spec,
                                             batch_size=batch_size).run(iter(fresh)))
             greedy_graded = list(verifier.run(iter(greedy_solved)))
             result.greedy_accuracy = sum(bool(r["samples"][0].get("correct")) for r in greedy_graded) / len(problems)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -38,9 +38,9 @@ def challenge(
     top_p: float = common.TopPOpt,
     max_tokens: int = typer.Option(512, "--max-tokens", help="Maximum new tokens per generation."),
     seed: int = common.SeedOpt,
-    prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt template file overriding the "
-                                         "packaged challenge_<mode>.txt ({text}, {title}, {solution}, "
-                                         "{topic_hint}, any record field)."),
+    prompt: Optional[str] = common.prompt_opt("challenger", "questioner", "synthesis"),
+    prefix: Optional[str] = common.PrefixOpt,
+    stop: Optional[List[str]] = common.StopOpt,
     batch_size: Optional[int] = typer.Option(None, "--batch-size",
                                              help="Prompts per backend call (default 4); with "
                                                   "--from nothing also the problems per group_id "
@@ -72,7 +72,8 @@ def challenge(
 
     if source not in MODES:
         raise unknown_name_error("--from mode", source, list(MODES))
-    options: dict = dict(candidates=candidates, prompt=prompt, batch_size=batch_size or 4,
+    spec = common.load_prompt_option(MODES.get(source).role, prompt, prefix, stop)
+    options: dict = dict(candidates=candidates, prompt=spec, batch_size=batch_size or 4,
                          params=SamplingParams(temperature=temperature, top_p=top_p,
                                                max_new_tokens=max_tokens, seed=seed,
                                                logprobs=logprobs))

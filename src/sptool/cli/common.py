@@ -50,6 +50,33 @@ RequireBoxedOpt = typer.Option(
 LogprobsOpt = typer.Option(False, "--logprobs", help="Store per-token log-probabilities.")
 
 
+# The prompt option group: the same three flags wherever a command prompts a model.
+def prompt_opt(*roles: str) -> Any:
+    """``--prompt NAME|FILE`` naming the packaged prompts of ``roles`` in its help."""
+    from sptool.prompts import PACKAGED, ROLES
+
+    choices = "; ".join(f"{role}: {', '.join(PACKAGED[role])} (default {ROLES[role][2]})" for role in roles)
+    return typer.Option(None, "--prompt", help=f"Packaged prompt name or a template file with {{field}} "
+                        f"placeholders. Packaged: {choices}.", rich_help_panel="Prompt")
+
+
+PrefixOpt = typer.Option(None, "--prefix", rich_help_panel="Prompt",
+                         help="Start the model's reply with this text (after the chat template's "
+                              "assistant header; part of the parsed text). Default: the prompt's own.")
+StopOpt = typer.Option(None, "--stop", rich_help_panel="Prompt",
+                       help="End generation at this string (kept in the text); repeat for several, "
+                            "--stop '' for none. Default: the prompt's own.")
+
+
+def load_prompt_option(role: str, prompt: Optional[str], prefix: Optional[str],
+                       stop: Optional[list[str]]):
+    """The :class:`sptool.prompts.PromptSpec` the three prompt flags describe."""
+    from sptool.prompts import load_prompt
+
+    stops = None if not stop else [item for item in stop if item]
+    return load_prompt(role, prompt, prefix=prefix, stop=stops)
+
+
 class Progress:
     """Progress on stderr: a live rich line on a terminal, a line every few seconds otherwise."""
 

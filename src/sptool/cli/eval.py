@@ -26,6 +26,9 @@ def evaluate(
     top_p: float = typer.Option(1.0, "--top-p"),
     max_tokens: int = typer.Option(512, "--max-tokens"),
     seed: int = common.SeedOpt,
+    prompt: Optional[str] = common.prompt_opt("solve"),
+    prefix: Optional[str] = common.PrefixOpt,
+    stop: Optional[List[str]] = common.StopOpt,
     no_greedy: bool = typer.Option(False, "--no-greedy", help="Skip the greedy-accuracy pass."),
     no_chat_template: bool = typer.Option(False, "--no-chat-template"),
     device: Optional[str] = typer.Option(None, "--device", envvar="SPTOOL_DEVICE"),
@@ -45,6 +48,7 @@ def evaluate(
 
     common.check_outputs({"--samples-out": samples_out})
     ks = parse_ks(pass_at)
+    spec = common.load_prompt_option("solve", prompt, prefix, stop)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens, seed=seed)
     records_by_name = {Path(path).stem.removesuffix(".jsonl"): list(read_records(path, QUESTION))
                        for path in benchmarks}
@@ -55,7 +59,7 @@ def evaluate(
         with common.Progress(f"eval {name}", quiet, unit="benchmarks"):
             result, graded = evaluate_benchmark(name, records, engine, samples=samples, ks=ks,
                                                 params=params, greedy=not no_greedy, workers=workers,
-                                                require_boxed=require_boxed)
+                                                require_boxed=require_boxed, prompt=spec)
         results.append(result)
         graded_all.extend({**r, "benchmark": name} for r in graded)
     if samples_out:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -27,8 +27,9 @@ def novelty(
     backend: str = common.BackendOpt,
     seed: int = common.SeedOpt,
     max_tokens: int = typer.Option(16, "--max-tokens", help="Maximum new tokens per judgement."),
-    prompt: Optional[str] = typer.Option(None, "--prompt", help="Judge prompt template file "
-                                         "({problem_a}, {problem_b})."),
+    prompt: Optional[str] = common.prompt_opt("novelty"),
+    prefix: Optional[str] = common.PrefixOpt,
+    stop: Optional[List[str]] = common.StopOpt,
     no_chat_template: bool = common.NoChatTemplateOpt,
     gen_batch_size: int = common.GenBatchSizeOpt,
     device: Optional[str] = common.DeviceOpt,
@@ -49,6 +50,7 @@ def novelty(
     judge = load_backend(backend, model, device=device, dtype=dtype, batch_size=gen_batch_size,
                          chat_template=not no_chat_template, log=log)
     stage = NoveltyStage(judge, k=compare, batch_size=batch_size, seed=seed,
-                         max_new_tokens=max_tokens, prompt=prompt)
+                         max_new_tokens=max_tokens,
+                         prompt=common.load_prompt_option("novelty", prompt, prefix, stop))
     common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
                      skip_invalid=skip_invalid, rejects=rejects)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -25,7 +25,9 @@ def solve(
     top_p: float = common.TopPOpt,
     max_tokens: int = typer.Option(512, "--max-tokens", help="Maximum new tokens per sample."),
     seed: int = common.SeedOpt,
-    prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt template file ({question} etc.)."),
+    prompt: Optional[str] = common.prompt_opt("solve", "validity"),
+    prefix: Optional[str] = common.PrefixOpt,
+    stop: Optional[List[str]] = common.StopOpt,
     no_chat_template: bool = common.NoChatTemplateOpt,
     batch_size: int = typer.Option(16, "--batch-size", help="Questions per backend call."),
     gen_batch_size: int = common.GenBatchSizeOpt,
@@ -43,15 +45,20 @@ def solve(
 ) -> None:
     """Sample K solutions per question (records need 'question'; 'answer' optional)."""
     from sptool.models.base import SamplingParams, load_backend
-    from sptool.solve import SolveStage
+    from sptool.solve import MODES, SolveStage
 
+    if mode not in MODES:
+        from sptool.records import UsageError
+
+        raise UsageError(f"unknown --mode '{mode}'; choose from {', '.join(MODES)}")
+    spec = common.load_prompt_option(MODES[mode], prompt, prefix, stop)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens,
                             seed=seed, logprobs=logprobs)
     log = None if quiet else (lambda message: common.err_console.print(message, markup=False))
     engine = load_backend(backend, model, device=device, dtype=dtype, batch_size=gen_batch_size,
                           chat_template=not no_chat_template, log=log, base_url=base_url,
                           tensor_parallel_size=tensor_parallel_size)
-    stage = SolveStage(engine, samples=samples, mode=mode, params=params, prompt=prompt,
+    stage = SolveStage(engine, samples=samples, mode=mode, params=params, prompt=spec,
                        batch_size=batch_size)
     common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
                      skip_invalid=skip_invalid, rejects=rejects)

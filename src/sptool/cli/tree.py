@@ -80,8 +80,9 @@ def expand(
                                           help="The reference code's rule: --proposals 5 --min-votes 2."),
     temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature for proposals."),
     max_tokens: int = typer.Option(32, "--max-tokens", help="Maximum new tokens per proposal."),
-    prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt template file ({domain}, {path}, "
-                                         "{parent}, {existing}, {level})."),
+    prompt: Optional[str] = common.prompt_opt("tree"),
+    prefix: Optional[str] = common.PrefixOpt,
+    stop: Optional[List[str]] = common.StopOpt,
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Prompt with plain text."),
     device: Optional[str] = typer.Option(None, "--device", envvar="SPTOOL_DEVICE", help="cpu, cuda, …"),
     rejects: Optional[str] = typer.Option(None, "--rejects",
@@ -105,12 +106,13 @@ def expand(
     options = ExpandOptions(tau_wiki=tau_wiki, duplicate_threshold=duplicate_threshold,
                             max_attempts=max_attempts, proposals=proposals, min_votes=min_votes,
                             max_children=max_children)
+    spec = common.load_prompt_option("tree", prompt, prefix, stop)
     tree = load_tree(tree_path)
     title_backend = load_title_backend(titles, wiki_url, api=wiki_api, timeout_s=wiki_timeout)
     params = SamplingParams(temperature=temperature, max_new_tokens=max_tokens, seed=seed)
     log = None if quiet else (lambda message: common.err_console.print(message, markup=False))
     engine = load_backend(backend, model, device=device, chat_template=not no_chat_template, log=log)
-    expander = TreeExpander(engine, title_backend, params=params, options=options, prompt=prompt, log=log)
+    expander = TreeExpander(engine, title_backend, params=params, options=options, prompt=spec, log=log)
     with common.Progress("tree expand", quiet, unit="paths") as progress:
         try:
             records = expander.expand(tree, paths, seed)

@@ -53,15 +53,16 @@ class Packaged:
     answer_max_tokens: int = 16
 
 
-# role -> (what it is, the fields its template must use, the default packaged name)
+# role -> (what it is, the fields its template must use, the default packaged name). A solver
+# prompt without {question} or a judge without both problems cannot work; the other roles'
+# templates may use any record field (a challenger prompt about {leaf} instead of {text}).
 ROLES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "solve": ("the solver (solve --mode math, eval)", ("question",), "math"),
     "validity": ("the solver that may answer INVALID (solve --mode validity; R-Quest)", ("question",),
                  "validity"),
     "questioner": ("the questioner (challenge --from nothing; R-Zero, R-Quest)", (), "rzero"),
-    "challenger": ("the document challenger (challenge --from documents; WIST)", ("text",), "documents"),
-    "synthesis": ("variational problem synthesis (challenge --from solutions; SvS)", ("solution",),
-                  "solutions"),
+    "challenger": ("the document challenger (challenge --from documents; WIST)", (), "documents"),
+    "synthesis": ("variational problem synthesis (challenge --from solutions; SvS)", (), "solutions"),
     "novelty": ("the same-task judge (novelty; R-Quest)", ("problem_a", "problem_b"), "judge"),
     "tree": ("the topic-tree expansion (tree expand; WIST)", (), "expand"),
 }

@@ -48,6 +48,13 @@ def _check_prompt(value: Any) -> str | None:
     return None
 
 
+def _check_stop_strings(value: list) -> str | None:
+    for i, item in enumerate(value):
+        if item is not None and not isinstance(item, str):
+            return f"expected a string or null per completion, item {i} is {describe(item)}"
+    return None
+
+
 def _check_strings(value: list) -> str | None:
     if not value:
         return "expected a non-empty list of strings"
@@ -104,6 +111,8 @@ TRAINING_GROUP = TrainingGroupKind("training group", (
     Field("old_logprobs", (list,), required=False, nullable=True, check=_check_logprob_lists),
     Field("finish_reasons", (list,), required=False, nullable=True,
           help="'stop' (EOS appended) or 'length' per completion; default stop"),
+    Field("stop_strings", (list,), required=False, nullable=True, check=_check_stop_strings,
+          help="per completion, the stop string that ended it (no EOS appended) or null"),
 ))
 
 
@@ -372,7 +381,14 @@ class PolicyTrainer:
     # -- encoding --------------------------------------------------------------------------
 
     def encode_group(self, group: dict) -> list[TrainSequence]:
-        """Token sequences of one group: rendered prompt, then each completion (+ EOS on stop)."""
+        """Token sequences of one group: rendered prompt, then each completion (+ EOS on stop).
+
+        A prompt that ends with an assistant message (a response prefix) renders with the prefix,
+        so a completion that begins with the prefix (the text parsing saw) is trained without it:
+        the prefix tokens are prompt, not sampled. A completion that ended at a stop string
+        (``stop_strings``) gets no EOS: the sampler did not emit one.
+        """
+        from sptool.models.base import split_response_prefix
         from sptool.models.hf import render_prompt
 
         tokenizer = self.tokenizer
@@ -389,15 +405,19 @@ class PolicyTrainer:
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if not prompt_ids:
             raise InputError("renders to no tokens", field="prompt")
+        prefix = split_response_prefix(group["prompt"])[1]
+        stop_strings = group.get("stop_strings") or [None] * len(group["completions"])
         finish = group.get("finish_reasons") or ["stop"] * len(group["completions"])
         old = group.get("old_logprobs") or [None] * len(group["completions"])
         eos = self.eos_id()
         role = group_role(group)
         sequences = []
         for i, completion in enumerate(group["completions"]):
+            if prefix and completion.startswith(prefix):
+                completion = completion[len(prefix):]
             ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
             old_i = old[i]
-            stopped = finish[i] == "stop"
+            stopped = finish[i] == "stop" and not (i < len(stop_strings) and stop_strings[i])
             if not group.get("finish_reasons") and old_i is not None and len(old_i) == len(ids):
                 stopped = False  # no finish_reasons: the sampler's log-probs show no EOS was sampled
             if stopped and eos is not None:
