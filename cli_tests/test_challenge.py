@@ -148,7 +148,7 @@ def test_nothing_mode_groups_and_labels(cli, tmp_path):
         "<question></question>\\boxed{1}",
         "<question>What is the largest prime factor of 2024?</question>",
     ])
-    result = cli(["challenge", "--from", "nothing", "-n", "6", "--batch-size", "4",
+    result = cli(["challenge", "--from", "nothing", "--candidates", "6", "--group-size", "4",
                   "--backend", "scripted", "-m", script, "--seed", "3", "-q"])
     assert result.exit_code == 0, result.output
     out = read_jsonl(result.stdout)
@@ -161,7 +161,7 @@ def test_nothing_mode_groups_and_labels(cli, tmp_path):
     assert len({r["group_id"] for r in out[:4]}) == 1 and out[4]["group_id"] != out[0]["group_id"]
     assert all(r["origin"] == "questioner" and r["questioner_prompt"][0]["role"] == "user" for r in out)
     assert all("raw" in r and "n_tokens" in r for r in out)
-    again = cli(["challenge", "--from", "nothing", "-n", "6", "--batch-size", "4",
+    again = cli(["challenge", "--from", "nothing", "--candidates", "6", "--group-size", "4",
                  "--backend", "scripted", "-m", script, "--seed", "3", "-q"])
     assert again.stdout == result.stdout                  # deterministic
 
@@ -182,7 +182,7 @@ def test_nothing_mode_does_not_read_stdin(sptool, tmp_path):
     # stdin is a stream that never ends: the command must not wait for it
     import subprocess, sys
     from conftest import REPO, SPTOOL
-    process = subprocess.Popen([*SPTOOL, "challenge", "--from", "nothing", "-n", "2", "--backend",
+    process = subprocess.Popen([*SPTOOL, "challenge", "--from", "nothing", "--candidates", "2", "--backend",
                                 "scripted", "-m", str(script)], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     stdout, stderr = process.communicate(timeout=120)
@@ -231,7 +231,7 @@ def test_solutions_mode_band_and_lineage(tmp_path):
 def test_solutions_mode_cli_band_option(cli, tmp_path):
     script = write_jsonl(tmp_path / "s.jsonl", ["<problem>A new problem with the same answer.</problem>"])
     rejects = tmp_path / "rejects.jsonl"
-    result = cli(["challenge", "--from", "solutions", VERIFIED, "-n", "2", "--band", "0.8,1",
+    result = cli(["challenge", "--from", "solutions", VERIFIED, "--candidates", "2", "--band", "0.8,1",
                   "--backend", "scripted", "-m", script, "--rejects", rejects])
     assert result.exit_code == 0, result.output
     out = read_jsonl(result.stdout)
@@ -245,7 +245,7 @@ def test_solutions_mode_cli_band_option(cli, tmp_path):
 def test_help(cli):
     result = cli(["challenge", "--help"])
     assert result.exit_code == 0
-    for flag in ("--from", "--candidates", "--band", "--max-solutions", "--prompt", "--batch-size"):
+    for flag in ("--from", "--candidates", "--band", "--max-solutions", "--prompt", "--prompts-per-call", "--group-size"):
         assert flag in result.stdout
 
 
@@ -291,7 +291,7 @@ def test_not_json_line_and_unknown_mode(sptool, tmp_path):
 def test_prompt_override(cli, tmp_path):
     template = tmp_path / "mine.txt"
     template.write_text("Write a question about: {leaf}")
-    result = cli(["challenge", "--from", "documents", DOCUMENTS, "-n", "1", "--prompt", template,
+    result = cli(["challenge", "--from", "documents", DOCUMENTS, "--candidates", "1", "--prompt", template,
                   "--backend", "scripted", "-q"])
     out = read_jsonl(result.stdout)
     assert out[0]["challenger_prompt"][0]["content"] == "Write a question about: adding fractions"
@@ -311,7 +311,7 @@ def _assert_labelled(records):
 def test_real_tiny_documents(sptool, tmp_path, tiny_model_dir):
     doc = tmp_path / "one.jsonl"
     doc.write_text(DOCUMENTS.read_text().splitlines()[0] + "\n")
-    result = sptool("challenge", "--from", "documents", str(doc), "-n", "2", "--max-tokens", "48",
+    result = sptool("challenge", "--from", "documents", str(doc), "--candidates", "2", "--max-tokens", "48",
                     "--seed", "1")
     assert result.returncode == 0, result.stderr
     out = read_jsonl(result.stdout)
@@ -321,7 +321,7 @@ def test_real_tiny_documents(sptool, tmp_path, tiny_model_dir):
 
 @pytest.mark.slow
 def test_real_tiny_nothing(sptool, tiny_model_dir):
-    result = sptool("challenge", "--from", "nothing", "-n", "2", "--max-tokens", "48", "--seed", "1")
+    result = sptool("challenge", "--from", "nothing", "--candidates", "2", "--max-tokens", "48", "--seed", "1")
     assert result.returncode == 0, result.stderr
     out = read_jsonl(result.stdout)
     assert len(out) == 2 and all(r["origin"] == "questioner" for r in out)
@@ -332,7 +332,7 @@ def test_real_tiny_nothing(sptool, tiny_model_dir):
 def test_real_tiny_solutions(sptool, tmp_path, tiny_model_dir):
     one = tmp_path / "one.jsonl"
     one.write_text(VERIFIED.read_text().splitlines()[2] + "\n")     # percent-net: 1 correct solution
-    result = sptool("challenge", "--from", "solutions", str(one), "-n", "2", "--max-tokens", "48")
+    result = sptool("challenge", "--from", "solutions", str(one), "--candidates", "2", "--max-tokens", "48")
     assert result.returncode == 0, result.stderr
     out = read_jsonl(result.stdout)
     assert len(out) == 2 and all(r["parent_id"] == "percent-net" and r["answer"] == "-1" for r in out)
@@ -350,7 +350,7 @@ def test_pipeline_keeps_invalid_generations(tmp_path):
         "nothing useful"])
     solver = write_jsonl(tmp_path / "s.jsonl", ["Adding them gives \\boxed{100}"])
     sptool = " ".join(shlex.quote(part) for part in SPTOOL)
-    command = (f"{sptool} challenge --from nothing -n 2 --backend scripted -m {questioner} -q | "
+    command = (f"{sptool} challenge --from nothing --candidates 2 --backend scripted -m {questioner} -q | "
                f"{sptool} solve -k 2 --backend scripted -m {solver} -q | {sptool} verify -q")
     result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True,
                             text=True, cwd=REPO, timeout=300)

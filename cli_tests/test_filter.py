@@ -304,7 +304,7 @@ def test_pipeline_rquest_with_novelty(tmp_path):
         f"fixtures/questions_rquest.jsonl | {SP} verify -q --workers 1 --pseudo-label | "
         f"{SP} solve -q --backend scripted -m fixtures/scripts/solve_rquest.jsonl --mode math -k 5 | "
         f"{SP} verify -q --workers 1 --pseudo-label | "
-        f"{SP} novelty -q --backend scripted -m {judge} -k 2 | "
+        f"{SP} novelty -q --backend scripted -m {judge} --partners 2 | "
         f"{SP} filter -q --recipe rquest --rejects {rejects}")
     assert result.returncode == 0, result.stderr
     groups = read_jsonl(result.stdout)
@@ -322,7 +322,7 @@ def test_pipeline_svs_with_challenge(tmp_path):
         f"fixtures/questions_svs.jsonl | {SP} verify -q --workers 1 > {originals} && "
         f"{SP} challenge -q --from solutions --backend scripted -m fixtures/scripts/challenge_svs.jsonl "
         f"{originals} "
-        f"-n 3 --max-solutions 1 | {SP} solve -q --backend scripted -m fixtures/scripts/solve_svs.jsonl -k 4 | "
+        f"--candidates 3 --max-solutions 1 | {SP} solve -q --backend scripted -m fixtures/scripts/solve_svs.jsonl -k 4 | "
         f"{SP} verify -q --workers 1 | cat {originals} - | {SP} filter -q --recipe svs")
     assert result.returncode == 0, result.stderr
     groups = read_jsonl(result.stdout)
@@ -346,7 +346,7 @@ def test_pipeline_validity_init(tmp_path):
 @pytest.mark.slow
 def test_pipeline_rzero_with_tiny_model(tmp_path, tiny_model_dir):
     result = pipeline(
-        f"{SP} solve -q -k 1 --max-tokens 24 --batch-size 4 fixtures/questions_rzero.jsonl | "
+        f"{SP} solve -q -k 1 --max-tokens 24 --questions-per-call 4 fixtures/questions_rzero.jsonl | "
         f"{SP} verify -q --workers 1 --pseudo-label | {SP} filter --recipe rzero", timeout=600)
     assert result.returncode == 0, result.stderr
     groups = read_jsonl(result.stdout)

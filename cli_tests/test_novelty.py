@@ -102,7 +102,7 @@ def test_cli_scripted(cli, tmp_path):
     script = write_jsonl(tmp_path / "judge.jsonl", [
         {"match": "(?s)rectangle.*Problem B:.*rectangle", "output": "YES"},
         {"match": "(?s)books.*Problem B:.*books", "output": "Yes"}, "NO"])
-    result = cli(["novelty", BATCH, "-k", "7", "--backend", "scripted", "-m", script])
+    result = cli(["novelty", BATCH, "--partners", "7", "--backend", "scripted", "-m", script])
     assert result.exit_code == 0
     out = read_jsonl(result.stdout)
     assert [r["novelty"]["novel"] for r in out[:8]] == [False] * 4 + [True] * 4
@@ -111,7 +111,7 @@ def test_cli_scripted(cli, tmp_path):
 
 def test_help(cli):
     result = cli(["novelty", "--help"])
-    assert result.exit_code == 0 and "--compare" in result.stdout and "--batch-size" in result.stdout
+    assert result.exit_code == 0 and "--partners" in result.stdout and "--candidates-per-batch" in result.stdout
 
 
 def test_empty_input(sptool, tmp_path):
@@ -139,7 +139,7 @@ def test_bad_line(sptool, tmp_path, line, needle):
 def test_real_tiny_judge(sptool, tmp_path, tiny_model_dir):
     batch = tmp_path / "batch.jsonl"
     batch.write_text("".join(BATCH.read_text().splitlines(keepends=True)[:3]))
-    result = sptool("novelty", str(batch), "-k", "2", "--max-tokens", "8")
+    result = sptool("novelty", str(batch), "--partners", "2", "--max-tokens", "8")
     assert result.returncode == 0, result.stderr
     out = read_jsonl(result.stdout)
     assert len(out) == 3

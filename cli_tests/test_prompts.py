@@ -131,7 +131,7 @@ def test_questioner_two_step_reply_is_well_formed(sptool, tmp_path):
     ])
     out = tmp_path / "q.jsonl"
     result = sptool("challenge", "--from", "nothing", "--backend", "scripted", "-m", str(script),
-                    "-n", "2", "--prompt", "arithmetic", "-o", str(out))
+                    "--candidates", "2", "--prompt", "arithmetic", "-o", str(out))
     assert result.returncode == 0, result.stderr
     first, second = read_jsonl(out)
     assert first["raw"] == ("<question>Tom has 2 cats and 3 dogs. How many pets does he have?</question>\n"
@@ -149,7 +149,7 @@ def test_novelty_and_challenge_prompt_flags(sptool, tmp_path):
     script = write_jsonl(tmp_path / "script.jsonl", ["NO, different. YES"])
     candidates = write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "question": "What is 2 + 3 in total?"},
                                                     {"id": "b", "question": "How many legs has a cat?"}])
-    result = sptool("novelty", str(candidates), "--backend", "scripted", "-m", str(script), "-k", "1",
+    result = sptool("novelty", str(candidates), "--backend", "scripted", "-m", str(script), "--partners", "1",
                     "--prefix", "Verdict:", "--stop", ",")
     assert result.returncode == 0, result.stderr
     compared = read_jsonl(result.stdout)[0]["novelty"]["compared"][0]

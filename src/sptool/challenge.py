@@ -279,9 +279,9 @@ class _GeneratingStage(Stage):
                  prompt: str | PromptSpec | None = None, batch_size: int = 4):
         super().__init__()
         if candidates < 1:
-            raise UsageError(f"-n/--candidates must be >= 1, got {candidates}")
+            raise UsageError(f"--candidates must be >= 1, got {candidates}")
         if batch_size < 1:
-            raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
+            raise UsageError(f"--prompts-per-call/--group-size must be >= 1, got {batch_size}")
         self.backend = backend
         self.candidates = candidates
         self.prompt = prompt if isinstance(prompt, PromptSpec) else load_prompt(self.role, prompt)

@@ -124,9 +124,9 @@ class NoveltyStage(Stage):
                  judge_batch_size: int = 256):
         super().__init__()
         if k < 1:
-            raise UsageError(f"-k/--compare must be >= 1, got {k}")
+            raise UsageError(f"--partners must be >= 1, got {k}")
         if batch_size < 2:
-            raise UsageError(f"--batch-size must be >= 2, got {batch_size}")
+            raise UsageError(f"--candidates-per-batch must be >= 2, got {batch_size}")
         self.judge, self.k, self.batch_size, self.seed = judge, k, batch_size, seed
         self.prompt = prompt if isinstance(prompt, PromptSpec) else load_prompt("novelty", prompt)
         self.params = self.prompt.sampling(SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens,

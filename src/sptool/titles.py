@@ -89,8 +89,8 @@ class WikipediaTitles:
                 last_error = exc
         if body is None:
             reason = getattr(last_error, "reason", None) or last_error
-            raise RuntimeFailure(f"title search at {self.url} failed: {reason} "
-                                 "(no network? use --titles FILE for offline validation)")
+            raise RuntimeFailure(f"title search at {self.url} failed: {reason} (no network? pass "
+                                 "--titles FILE, one title a line, to validate new nodes offline)")
         return parse_search_response(body, self.api, source=self.url)[:limit]
 
 

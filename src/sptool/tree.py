@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from sptool.jsonl import write_json_atomic
 from sptool.records import (ANY, Field, InputError, RecordKind, UsageError, content_id, describe)
+from sptool.rewards import WIST_INVALID_PENALTY, WIST_SIGMA
 from sptool.stage import Stage
 
 SCHEMA = "sptool.tree"
@@ -621,8 +622,8 @@ class PosteriorUpdateStage(Stage):
     input_kind = VERDICT
 
     def __init__(self, tree: dict, *, rule: str = "variance", tau_var: float = DEFAULT_TAU_VAR,
-                 group_threshold: float = REFERENCE_GROUP_THRESHOLD, sigma: float = 0.02,
-                 rho: float = -0.1, source: str = "<tree>"):
+                 group_threshold: float = REFERENCE_GROUP_THRESHOLD, sigma: float = WIST_SIGMA,
+                 rho: float = WIST_INVALID_PENALTY, source: str = "<tree>"):
         super().__init__()
         if rule not in RULES:
             raise UsageError(f"unknown --rule '{rule}'; choose from {', '.join(RULES)}")

@@ -7,6 +7,7 @@ from typing import List, Optional
 import typer
 
 from sptool.cli import common
+from sptool.rewards import SVS_UNDERPERFORMING_BAND
 
 
 def register(app: typer.Typer) -> None:
@@ -23,17 +24,16 @@ def parse_band(text: str) -> tuple[float, float]:
     return low, high
 
 
+@common.backend_options()
 def challenge(
     input_path: Optional[str] = common.InputArg,
     source: str = typer.Option(..., "--from", help="documents (WIST: QA pairs from `corpus fetch` "
                                "documents), nothing (R-Zero/R-Quest questioner; input optional: "
                                "topic records), solutions (SvS: variants from `verify` output)."),
     output: str = common.OutputOpt,
-    candidates: int = typer.Option(8, "-n", "--candidates",
+    candidates: int = typer.Option(8, "--candidates",
                                    help="documents: G QA candidates per document; nothing: problems "
                                         "per seed; solutions: G_v variants per correct solution."),
-    model: str = common.ModelOpt,
-    backend: str = common.BackendOpt,
     temperature: float = common.TemperatureOpt,
     top_p: float = common.TopPOpt,
     max_tokens: int = typer.Option(512, "--max-tokens", help="Maximum new tokens per generation."),
@@ -41,39 +41,38 @@ def challenge(
     prompt: Optional[str] = common.prompt_opt("challenger", "questioner", "synthesis"),
     prefix: Optional[str] = common.PrefixOpt,
     stop: Optional[List[str]] = common.StopOpt,
-    batch_size: Optional[int] = typer.Option(None, "--batch-size",
-                                             help="Prompts per backend call (default 4); with "
-                                                  "--from nothing also the problems per group_id "
-                                                  "(the questioner's GRPO group)."),
-    band: str = typer.Option("0.125,0.5", "--band", help="solutions: under-performing accuracy band "
-                             "LOW,HIGH (SvS: 12.5%-50%), inclusive."),
+    prompts_per_call: int = typer.Option(4, "--prompts-per-call",
+                                         help="documents, solutions: prompts per backend call "
+                                              "(each with --candidates samples)."),
+    group_size: int = typer.Option(4, "--group-size",
+                                   help="nothing: problems per group_id (the questioner's GRPO group), "
+                                        "sampled in one backend call."),
+    band: str = typer.Option(",".join(str(x) for x in SVS_UNDERPERFORMING_BAND), "--band",
+                             help="solutions: under-performing accuracy band LOW,HIGH "
+                                  "(SvS: 12.5%-50%), inclusive."),
     strict_band: bool = typer.Option(False, "--strict-band", help="solutions: LOW < Acc < HIGH "
                                      "(SvS Algorithm 1) instead of the closed range (§3.3)."),
     max_solutions: int = typer.Option(8, "--max-solutions",
                                       help="solutions: correct solutions used per problem."),
     max_document_chars: int = typer.Option(6000, "--max-document-chars",
                                            help="documents: truncate longer documents in the prompt."),
-    no_chat_template: bool = common.NoChatTemplateOpt,
-    gen_batch_size: int = common.GenBatchSizeOpt,
-    device: Optional[str] = common.DeviceOpt,
-    dtype: Optional[str] = common.DtypeOpt,
     logprobs: bool = common.LogprobsOpt,
     quiet: bool = common.QuietOpt,
     skip_invalid: bool = common.SkipInvalidOpt,
     rejects: Optional[str] = common.RejectsOpt,
+    backend_options: common.BackendOptions = None,
 ) -> None:
     """Generate candidate questions; every generation is emitted with valid/invalid_reason.
 
-    Examples: sptool challenge --from documents docs.jsonl -n 8 |
-    sptool challenge --from nothing -n 8 | sptool challenge --from solutions verified.jsonl
+    Examples: sptool challenge --from documents docs.jsonl --candidates 8 |
+    sptool challenge --from nothing --candidates 8 | sptool challenge --from solutions verified.jsonl
     """
     from sptool.challenge import MODES, make_challenge_stage
-    from sptool.models.base import SamplingParams, load_backend, unknown_name_error
+    from sptool.models.base import SamplingParams
 
-    if source not in MODES:
-        raise unknown_name_error("--from mode", source, list(MODES))
     spec = common.load_prompt_option(MODES.get(source).role, prompt, prefix, stop)
-    options: dict = dict(candidates=candidates, prompt=spec, batch_size=batch_size or 4,
+    options: dict = dict(candidates=candidates, prompt=spec,
+                         batch_size=group_size if source == "nothing" else prompts_per_call,
                          params=SamplingParams(temperature=temperature, top_p=top_p,
                                                max_new_tokens=max_tokens, seed=seed,
                                                logprobs=logprobs))
@@ -87,9 +86,7 @@ def challenge(
         options.update(unseeded=input_path is None)
         if input_path is None:
             records, input_path = iter(()), "<empty seed>"
-    log = None if quiet else (lambda message: common.err_console.print(message, markup=False))
-    engine = load_backend(backend, model, device=device, dtype=dtype, batch_size=gen_batch_size,
-                          chat_template=not no_chat_template, log=log)
+    engine = backend_options.load(quiet)
     stage = make_challenge_stage(source, engine, **options)
     common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
                      skip_invalid=skip_invalid, rejects=rejects, records=records)

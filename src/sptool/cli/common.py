@@ -6,9 +6,13 @@ The library never imports typer or rich; this module is where they meet it.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
+import inspect
 import sys
 import time
-from typing import Callable, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -75,6 +79,88 @@ def load_prompt_option(role: str, prompt: Optional[str], prefix: Optional[str],
 
     stops = None if not stop else [item for item in stop if item]
     return load_prompt(role, prompt, prefix=prefix, stop=stops)
+
+
+BaseUrlOpt = typer.Option(None, "--base-url", envvar="SPTOOL_BASE_URL",
+                          help="OpenAI-compatible server(s) for --backend openai, comma-separated (round-robin).")
+TensorParallelOpt = typer.Option(1, "--tensor-parallel-size", help="GPUs per model for --backend vllm.")
+
+
+# ---------------------------------------------------------------------------- option groups
+
+@dataclass
+class BackendOptions:
+    """Which model to load and how: the option group every generating command shares."""
+
+    model: str = "tiny"
+    backend: str = "hf"
+    device: Optional[str] = None
+    dtype: Optional[str] = None
+    gen_batch_size: int = 64
+    no_chat_template: bool = False
+    base_url: Optional[str] = None
+    tensor_parallel_size: int = 1
+
+    def load(self, quiet: bool = False):
+        """The generation backend (imports torch & co. only now, inside the command)."""
+        from sptool.models.base import load_backend
+
+        return load_backend(self.backend, self.model, device=self.device, dtype=self.dtype,
+                            batch_size=self.gen_batch_size, chat_template=not self.no_chat_template,
+                            log=stderr_log(quiet), base_url=self.base_url,
+                            tensor_parallel_size=self.tensor_parallel_size)
+
+
+# name -> (annotation, typer option); the parameters backend_options() adds to a command.
+_BACKEND_PARAMETERS: dict[str, tuple[Any, Any]] = {
+    "model": (str, ModelOpt),
+    "backend": (str, BackendOpt),
+    "device": (Optional[str], DeviceOpt),
+    "dtype": (Optional[str], DtypeOpt),
+    "gen_batch_size": (int, GenBatchSizeOpt),
+    "no_chat_template": (bool, NoChatTemplateOpt),
+    "base_url": (Optional[str], BaseUrlOpt),
+    "tensor_parallel_size": (int, TensorParallelOpt),
+}
+
+
+def backend_options(model: Any = ModelOpt) -> Callable[[Callable], Callable]:
+    """Decorator (sqlite-utils' ``@output_options`` pattern): add the backend option group to a
+    typer command and hand it to the command as one ``backend_options: BackendOptions``.
+
+    ``model`` replaces the ``-m/--model`` option (e.g. a judge model with its own envvar).
+    """
+    parameters = {name: (annotation, _in_panel(option, "Model and backend"))
+                  for name, (annotation, option) in {**_BACKEND_PARAMETERS, "model": (str, model)}.items()}
+
+    def decorate(command: Callable) -> Callable:
+        signature = inspect.signature(command)
+        own = [p for name, p in signature.parameters.items() if name != "backend_options"]
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+                 for name, (annotation, option) in parameters.items()]
+
+        @functools.wraps(command)
+        def wrapper(*args, **kwargs):
+            group = BackendOptions(**{name: kwargs.pop(name) for name in parameters})
+            return command(*args, backend_options=group, **kwargs)
+
+        wrapper.__signature__ = signature.replace(parameters=own + added)  # type: ignore[attr-defined]
+        annotations = {k: v for k, v in command.__annotations__.items() if k != "backend_options"}
+        wrapper.__annotations__ = {**annotations, **{name: a for name, (a, _) in parameters.items()}}
+        return wrapper
+
+    return decorate
+
+
+def _in_panel(option: Any, panel: str) -> Any:
+    option = copy.copy(option)
+    option.rich_help_panel = panel
+    return option
+
+
+def stderr_log(quiet: bool) -> Optional[Callable[[str], None]]:
+    """A one-argument logger to stderr (None when quiet), for backends and stages."""
+    return None if quiet else (lambda message: err_console.print(message, markup=False, soft_wrap=True))
 
 
 class Progress:

@@ -16,34 +16,33 @@ def register(app: typer.Typer) -> None:
     app.command("eval")(evaluate)
 
 
+@common.backend_options()
 def evaluate(
     benchmarks: List[str] = typer.Argument(..., help="Benchmark JSONL files (fields: question, answer)."),
-    model: str = common.ModelOpt,
-    backend: str = common.BackendOpt,
     samples: int = typer.Option(8, "-k", "--samples", help="Samples per problem (n of pass@k)."),
     pass_at: str = typer.Option("1,8", "--pass-at", help="Comma-separated k values for pass@k (<= samples)."),
-    temperature: float = typer.Option(1.0, "--temperature"),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    max_tokens: int = typer.Option(512, "--max-tokens"),
+    temperature: float = common.TemperatureOpt,
+    top_p: float = common.TopPOpt,
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Maximum new tokens per sample."),
     seed: int = common.SeedOpt,
     prompt: Optional[str] = common.prompt_opt("solve"),
     prefix: Optional[str] = common.PrefixOpt,
     stop: Optional[List[str]] = common.StopOpt,
     no_greedy: bool = typer.Option(False, "--no-greedy", help="Skip the greedy-accuracy pass."),
-    no_chat_template: bool = typer.Option(False, "--no-chat-template"),
-    device: Optional[str] = typer.Option(None, "--device", envvar="SPTOOL_DEVICE"),
-    workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", envvar="SPTOOL_WORKERS"),
+    workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", envvar="SPTOOL_WORKERS",
+                                help="Grading processes (as in verify)."),
     require_boxed: bool = common.RequireBoxedOpt,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (for scripts) instead of a table."),
     samples_out: Optional[str] = typer.Option(None, "--samples-out", help="Write graded samples (JSONL) here."),
     quiet: bool = common.QuietOpt,
+    backend_options: common.BackendOptions = None,
 ) -> None:
     """Evaluate a model: greedy accuracy, mean@k, and unbiased pass@k per benchmark."""
     from rich.table import Table
 
     from sptool.evaluate import evaluate_benchmark, parse_ks
     from sptool.jsonl import AtomicJsonlWriter, read_records
-    from sptool.models.base import SamplingParams, load_backend
+    from sptool.models.base import SamplingParams
     from sptool.records import QUESTION
 
     common.check_outputs({"--samples-out": samples_out})
@@ -52,8 +51,8 @@ def evaluate(
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens, seed=seed)
     records_by_name = {Path(path).stem.removesuffix(".jsonl"): list(read_records(path, QUESTION))
                        for path in benchmarks}
-    log = None if quiet else (lambda message: common.err_console.print(message, markup=False))
-    engine = load_backend(backend, model, device=device, chat_template=not no_chat_template, log=log)
+    engine = backend_options.load(quiet)
+    model = backend_options.model
     results, graded_all = [], []
     for name, records in records_by_name.items():
         with common.Progress(f"eval {name}", quiet, unit="benchmarks"):

@@ -2,24 +2,46 @@
 
 Errors raised by the library as :class:`~sptool.records.SptoolError` become one line on stderr
 and the error's exit code (2 for bad input and usage, 1 for runtime failures), never a
-traceback (``SPTOOL_TRACEBACK=1`` shows one for debugging).
+traceback (``SPTOOL_TRACEBACK=1`` shows one for debugging). The conversion happens inside the
+app (:class:`SptoolGroup`), so ``sptool``, ``python -m sptool`` and an in-process ``CliRunner``
+all see the same exit codes.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
 
 import typer
+from typer.core import TyperGroup
 
 from sptool import __version__
-import importlib
-
+from sptool.cli import (challenge, corpus, eval, filter, novelty, posterior, recipes, report, run,
+                        solve, train, tree, verify)
 from sptool.records import SptoolError
+
+
+class SptoolGroup(TyperGroup):
+    """The root command group: turns every :class:`SptoolError` into one line and its exit code."""
+
+    def invoke(self, ctx):
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        try:
+            return super().invoke(ctx)
+        except SptoolError as error:
+            if os.environ.get("SPTOOL_TRACEBACK"):
+                raise
+            message = getattr(error, "message", None) or str(error)
+            typer.echo(f"sptool: error: {message}", err=True)
+            raise typer.Exit(error.exit_code) from None
+        except KeyboardInterrupt:
+            typer.echo("sptool: interrupted", err=True)
+            raise typer.Exit(130) from None
+
 
 app = typer.Typer(
     name="sptool",
+    cls=SptoolGroup,
     help="Self-play RL with verifiable rewards, as small JSONL stages.\n\n"
          "Records go to stdout, progress and summaries to stderr. "
          "Example: sptool solve fixtures/questions.jsonl -k 4 | sptool verify",
@@ -29,18 +51,11 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-# One module per command group (sptool/cli/<name>.py), each with register(app). Modules are
-# imported at start-up but import nothing heavy themselves (torch & co. load inside commands).
-COMMAND_MODULES = ("solve", "verify", "challenge", "novelty", "filter", "tree", "posterior",
-                   "corpus", "train", "run", "recipes", "report", "eval")
-
-for _name in COMMAND_MODULES:
-    try:
-        _module = importlib.import_module(f"sptool.cli.{_name}")
-    except ModuleNotFoundError as _error:  # a command group not built yet in this checkout
-        if _error.name != f"sptool.cli.{_name}":
-            raise
-        continue
+# One module per command group (sptool/cli/<name>.py), each with register(app). They import
+# nothing heavy themselves: torch & co. load inside the commands.
+COMMAND_MODULES = (solve, verify, challenge, novelty, filter, tree, posterior, corpus, train, run,
+                   recipes, report, eval)
+for _module in COMMAND_MODULES:
     _module.register(app)
 
 
@@ -60,18 +75,7 @@ def main() -> None:
     # Unix pipe hygiene: `sptool … | head` ends quietly instead of a BrokenPipeError traceback.
     if hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        app()
-    except SptoolError as error:
-        if os.environ.get("SPTOOL_TRACEBACK"):
-            raise
-        message = getattr(error, "message", None) or str(error)
-        print(f"sptool: error: {message}", file=sys.stderr)
-        sys.exit(error.exit_code)
-    except KeyboardInterrupt:
-        print("sptool: interrupted", file=sys.stderr)
-        sys.exit(130)
+    app(prog_name="sptool")
 
 
 if __name__ == "__main__":

@@ -13,43 +13,36 @@ def register(app: typer.Typer) -> None:
     app.command("novelty")(novelty)
 
 
+@common.backend_options(model=typer.Option(
+    "tiny", "-m", "--model", envvar="SPTOOL_JUDGE_MODEL",
+    help="Frozen judge model (R-Quest: the base model): HF id, local directory, or 'tiny'."))
 def novelty(
     input_path: Optional[str] = common.InputArg,
     output: str = common.OutputOpt,
-    compare: int = typer.Option(8, "-k", "--compare",
-                                help="Other candidates of the batch compared with each one (R-Quest: 8)."),
-    batch_size: int = typer.Option(2048, "--batch-size",
-                                   help="Candidates per batch (partners are drawn within a batch); "
-                                        "the whole input up to this cap."),
-    model: str = typer.Option("tiny", "-m", "--model", envvar="SPTOOL_JUDGE_MODEL",
-                              help="Frozen judge model (R-Quest: the base model): HF id, local "
-                                   "directory, or 'tiny'."),
-    backend: str = common.BackendOpt,
+    partners: int = typer.Option(8, "--partners",
+                                 help="Other candidates of the batch compared with each one (R-Quest: 8)."),
+    candidates_per_batch: int = typer.Option(2048, "--candidates-per-batch",
+                                             help="Candidates held at once; partners are drawn within "
+                                                  "a batch (the whole input up to this cap)."),
     seed: int = common.SeedOpt,
     max_tokens: int = typer.Option(16, "--max-tokens", help="Maximum new tokens per judgement."),
     prompt: Optional[str] = common.prompt_opt("novelty"),
     prefix: Optional[str] = common.PrefixOpt,
     stop: Optional[List[str]] = common.StopOpt,
-    no_chat_template: bool = common.NoChatTemplateOpt,
-    gen_batch_size: int = common.GenBatchSizeOpt,
-    device: Optional[str] = common.DeviceOpt,
-    dtype: Optional[str] = common.DtypeOpt,
     quiet: bool = common.QuietOpt,
     skip_invalid: bool = common.SkipInvalidOpt,
     rejects: Optional[str] = common.RejectsOpt,
+    backend_options: common.BackendOptions = None,
 ) -> None:
-    """Mark each candidate question novel or not: K sampled partners, greedy yes/no judge.
+    """Mark each candidate question novel or not: sampled partners, greedy yes/no judge.
 
     Adds 'novelty': {novel, compared: [{id, verdict, raw}], judge, k}. Records with
-    "valid": false pass through untouched. Cost: batch size x K judgements.
+    "valid": false pass through untouched. Cost: candidates x partners judgements.
     """
-    from sptool.models.base import load_backend
     from sptool.novelty import NoveltyStage
 
-    log = None if quiet else (lambda message: common.err_console.print(message, markup=False))
-    judge = load_backend(backend, model, device=device, dtype=dtype, batch_size=gen_batch_size,
-                         chat_template=not no_chat_template, log=log)
-    stage = NoveltyStage(judge, k=compare, batch_size=batch_size, seed=seed,
+    judge = backend_options.load(quiet)
+    stage = NoveltyStage(judge, k=partners, batch_size=candidates_per_batch, seed=seed,
                          max_new_tokens=max_tokens,
                          prompt=common.load_prompt_option("novelty", prompt, prefix, stop))
     common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,

@@ -7,6 +7,8 @@ from typing import Optional
 import typer
 
 from sptool.cli import common
+from sptool.rewards import WIST_SIGMA
+from sptool.tree import DEFAULT_TAU_VAR, REFERENCE_GROUP_THRESHOLD
 
 posterior_app = typer.Typer(
     help="Update the domain tree's Beta posteriors from verdicts.\n\n"
@@ -27,10 +29,10 @@ def update(
     rule: str = typer.Option("variance", "--rule",
                              help="variance: g = 1(Var >= tau_var) per valid question (paper, eq. 15); "
                                   "reference: g = 1(max challenger reward in the group > 0.4) per group."),
-    tau_var: float = typer.Option(0.20, "--tau-var", help="Learnability threshold τ_var (WIST: 0.20)."),
-    group_threshold: float = typer.Option(0.4, "--group-threshold",
+    tau_var: float = typer.Option(DEFAULT_TAU_VAR, "--tau-var", help="Learnability threshold τ_var (WIST: 0.20)."),
+    group_threshold: float = typer.Option(REFERENCE_GROUP_THRESHOLD, "--group-threshold",
                                           help="Reference rule: threshold on the group's max challenger reward."),
-    sigma: float = typer.Option(0.02, "--sigma", help="Reference rule: challenger reward width σ (eq. 14)."),
+    sigma: float = typer.Option(WIST_SIGMA, "--sigma", help="Reference rule: challenger reward width σ (eq. 14)."),
     quiet: bool = common.QuietOpt,
     skip_invalid: bool = common.SkipInvalidOpt,
     rejects: Optional[str] = common.RejectsOpt,

@@ -53,13 +53,12 @@ def init(
 
 
 @tree_app.command("expand")
+@common.backend_options()
 def expand(
     tree_path: str = TreeOpt,
     paths: int = typer.Option(128, "--paths", "-b", help="Paths to sample (B; WIST: 128)."),
     output: str = common.OutputOpt,
     seed: int = common.SeedOpt,
-    model: str = common.ModelOpt,
-    backend: str = common.BackendOpt,
     titles: Optional[str] = typer.Option(None, "--titles", envvar="SPTOOL_TITLES",
                                          help="Offline title list (file, one a line) or folder; "
                                               "use where there is no network (e.g. fixtures/titles.txt)."),
@@ -78,16 +77,15 @@ def expand(
                                   help="Keep a label proposed at least this often (reference code: 2)."),
     reference_voting: bool = typer.Option(False, "--reference-voting",
                                           help="The reference code's rule: --proposals 5 --min-votes 2."),
-    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature for proposals."),
+    temperature: float = common.TemperatureOpt,
     max_tokens: int = typer.Option(32, "--max-tokens", help="Maximum new tokens per proposal."),
     prompt: Optional[str] = common.prompt_opt("tree"),
     prefix: Optional[str] = common.PrefixOpt,
     stop: Optional[List[str]] = common.StopOpt,
-    no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Prompt with plain text."),
-    device: Optional[str] = typer.Option(None, "--device", envvar="SPTOOL_DEVICE", help="cpu, cuda, …"),
     rejects: Optional[str] = typer.Option(None, "--rejects",
                                           help="Also write rejected proposals (with 'reason') here as JSONL."),
     quiet: bool = common.QuietOpt,
+    backend_options: common.BackendOptions = None,
 ) -> None:
     """Thompson-sample B root-to-leaf paths (JSONL path records), growing the tree at 'unk'.
 
@@ -96,7 +94,7 @@ def expand(
     updated atomically; every rejected proposal is kept in its 'rejections' with the reason.
     """
     from sptool.jsonl import AtomicJsonlWriter
-    from sptool.models.base import SamplingParams, load_backend
+    from sptool.models.base import SamplingParams
     from sptool.titles import load_title_backend
     from sptool.tree import ExpandOptions, TreeExpander, load_tree, save_tree
 
@@ -110,8 +108,8 @@ def expand(
     tree = load_tree(tree_path)
     title_backend = load_title_backend(titles, wiki_url, api=wiki_api, timeout_s=wiki_timeout)
     params = SamplingParams(temperature=temperature, max_new_tokens=max_tokens, seed=seed)
-    log = None if quiet else (lambda message: common.err_console.print(message, markup=False))
-    engine = load_backend(backend, model, device=device, chat_template=not no_chat_template, log=log)
+    log = common.stderr_log(quiet)
+    engine = backend_options.load(quiet)
     expander = TreeExpander(engine, title_backend, params=params, options=options, prompt=spec, log=log)
     with common.Progress("tree expand", quiet, unit="paths") as progress:
         try:
