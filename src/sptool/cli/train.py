@@ -73,7 +73,7 @@ def train_step(
                                             help="Comma-separated module names, or all-linear."),
     ref_model: Optional[str] = typer.Option(None, "--ref-model", help="Frozen KL reference (default: the one "
                                             "recorded in the checkpoint, else --model). LoRA uses its base."),
-    no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Prompts as plain text (base models)."),
+    no_chat_template: bool = common.NoChatTemplateOpt,
     device: Optional[str] = typer.Option(None, "--device", envvar="SPTOOL_DEVICE", help="cpu or cuda "
                                          "(default: cuda when available; under accelerate launch, its choice)."),
     mixed_precision: Optional[str] = typer.Option(None, "--mixed-precision", help="no, bf16, fp16 "
