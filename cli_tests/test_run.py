@@ -154,7 +154,7 @@ def test_unknown_recipe_has_a_hint():
 
 
 def test_stage_seed_depends_on_run_seed_iteration_and_stage():
-    from sptool.recipes.driver import stage_seed
+    from sptool.run.steps import stage_seed
 
     seeds = {stage_seed(0, 1, "solve"), stage_seed(1, 1, "solve"), stage_seed(0, 2, "solve"),
              stage_seed(0, 1, "verify")}
@@ -275,7 +275,7 @@ def test_resume_refuses_changed_configuration(tmp_path, random_policy):
     run_dir = tmp_path / "r"
     run_dir.mkdir()
     from sptool.recipes import load_config
-    from sptool.recipes.driver import RunDriver
+    from sptool.run.driver import RunDriver
 
     config = load_config("rzero", tiny=True)
     driver = RunDriver(config, run_dir)
@@ -293,7 +293,7 @@ def test_resume_accepts_a_run_saved_before_a_key_existed(tmp_path):
     """A run directory written before the [eval] section existed resumes when the new keys keep
     their defaults, and is refused when one is set."""
     from sptool.recipes import load_config
-    from sptool.recipes.driver import MANIFEST, RunDriver
+    from sptool.run.driver import MANIFEST, RunDriver
     from sptool.records import UsageError
 
     run_dir = tmp_path / "r"

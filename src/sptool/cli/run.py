@@ -106,7 +106,7 @@ def run(
     --set svs.problems=64 --eval held_out.jsonl --eval-every 5 | sptool run --recipe wist --run-dir runs/w1 --resume
     """
     from sptool.recipes import load_config
-    from sptool.recipes.driver import RunDriver
+    from sptool.run.driver import RunDriver
     from sptool.records import UsageError
 
     shortcuts = [(iterations, "run.iterations"), (data, "svs.data"), (model, "model.policy"),

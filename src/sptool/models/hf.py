@@ -75,37 +75,62 @@ class HFBackend:
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
 
-        self.model_id = model
-        self.path = resolve_model(model, log=log)
-        self.device = pick_device(device)
-        self.dtype = pick_dtype(dtype, self.device)
-        self.batch_size = max(1, int(batch_size))
-        self.chat_template = chat_template
+        path = resolve_model(model, log=log)
+        device = pick_device(device)
+        torch_dtype = pick_dtype(dtype, device)
         try:
-            self.tokenizer = load_tokenizer(self.path)
-            if os.path.isfile(os.path.join(self.path, "adapter_config.json")):
+            tokenizer = load_tokenizer(path)
+            if os.path.isfile(os.path.join(path, "adapter_config.json")):
                 from peft import AutoPeftModelForCausalLM
 
-                model_obj = AutoPeftModelForCausalLM.from_pretrained(self.path, dtype=self.dtype)
+                model_obj = AutoPeftModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
                 model_obj = model_obj.merge_and_unload()
             else:
-                model_obj = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype)
+                model_obj = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         except OSError as exc:
             raise RuntimeFailure(f"cannot load model '{model}': {str(exc).splitlines()[0]}") from None
-        self.model = model_obj.to(self.device).eval()
-        self._torch = torch
+        self._attach(model_obj.to(device).eval(), tokenizer, model_id=model, path=path, device=device,
+                     batch_size=batch_size, chat_template=chat_template)
         # Faster decoding on GPU: a static (pre-allocated) KV cache, which transformers' generate
         # compiles the decoding step for (torch.compile, CUDA graphs) when `compile` is set.
-        self.generate_options: dict[str, Any] = {}
         if static_cache or compile:
             self.generate_options["cache_implementation"] = "static"
             self.model.generation_config.disable_compile = not compile
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None, *, model_id: str, batch_size: int = 64,
+                   chat_template: bool = True) -> "HFBackend":
+        """A backend over an already loaded ``model`` (e.g. a trainer's policy: no copy, so it
+        always generates with the current weights). ``tokenizer`` None: loaded from ``model_id``.
+        The caller keeps owning the model; :meth:`close` only drops this reference."""
+        backend = cls.__new__(cls)
+        backend._attach(model, tokenizer if tokenizer is not None else load_tokenizer(model_id),
+                        model_id=model_id, path=model_id, batch_size=batch_size, chat_template=chat_template)
+        return backend
+
+    def _attach(self, model, tokenizer, *, model_id: str, path: str, batch_size: int, chat_template: bool,
+                device: str | None = None) -> None:
+        """Every attribute a backend has, set in one place (by ``__init__`` and ``from_model``)."""
+        import torch
+
+        parameter = next(model.parameters())
+        self.model_id, self.path = model_id, path
+        self.device = device or str(parameter.device)
+        self.dtype = parameter.dtype
+        self.batch_size = max(1, int(batch_size))
+        self.chat_template = chat_template
+        tokenizer.padding_side = "left"
+        self.tokenizer = tokenizer
+        self.model = model
+        self._torch = torch
+        self.generate_options: dict[str, Any] = {}
 
     def render(self, prompt: Prompt) -> str:
         return render_prompt(self.tokenizer, prompt, self.chat_template)
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
         torch = self._torch
+        self.model.eval()  # a shared trainer's model may be left in train mode (dropout)
         texts = [self.render(p) for p in prompts]
         prefixes = [split_response_prefix(p)[1] for p in prompts]
         jobs = [(index, text) for index, text in enumerate(texts) for _ in range(n)]

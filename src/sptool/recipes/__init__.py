@@ -22,6 +22,9 @@ from typing import Any, Iterable
 from sptool.records import UsageError
 
 RECIPE_NAMES = ("wist", "svs", "rzero", "rquest")
+# name -> "module:class" of its plan (loaded on use); each module reads like its paper's algorithm
+RECIPES = {"wist": "sptool.recipes.wist:Wist", "svs": "sptool.recipes.svs:Svs",
+           "rzero": "sptool.recipes.rzero:RZero", "rquest": "sptool.recipes.rzero:RQuest"}
 
 # Keys every recipe shares. Recipe files set the papers' values; these are neutral fallbacks.
 COMMON_SCHEMA: dict[str, dict[str, Any]] = {
@@ -150,6 +153,15 @@ def check_recipe_name(name: str) -> None:
         from sptool.models.base import unknown_name_error
 
         raise unknown_name_error("recipe", name, list(RECIPE_NAMES))
+
+
+def make_recipe(config: dict, session):
+    """The plan object of ``config['recipe']`` over ``session`` (a :class:`~sptool.run.session.Session`)."""
+    import importlib
+
+    check_recipe_name(config["recipe"])
+    module, attribute = RECIPES[config["recipe"]].split(":")
+    return getattr(importlib.import_module(module), attribute)(config, session)
 
 
 def recipe_text(name: str) -> str:

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sptool.records import RuntimeFailure, UsageError
+from sptool.run.faults import crash_during_save as _maybe_crash  # test-only fault point
 
 STATE_DIR = "sptool_state"
 STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 FORMAT_VERSION = 1
-CRASH_ENV = "SPTOOL_TEST_CRASH_DURING_SAVE"  # tests: "1"/"raise" raises, "kill" exits abruptly
 
 
 def is_checkpoint_dir(path: str | os.PathLike) -> bool:
@@ -64,15 +64,6 @@ def load_optimizer_state(path: str | os.PathLike) -> dict | None:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - a corrupt or unsafe file is an environment failure
         raise RuntimeFailure(f"cannot load optimizer state {file}: {str(exc).splitlines()[0]}") from None
-
-
-def _maybe_crash(stage: str) -> None:
-    mode = os.environ.get(CRASH_ENV, "")
-    if not mode or mode == "0":
-        return
-    if mode == "kill":
-        os._exit(137)  # like SIGKILL: no cleanup runs
-    raise RuntimeError(f"injected crash during save ({CRASH_ENV}={mode}, after {stage})")
 
 
 def check_output_path(output: str | os.PathLike) -> Path:

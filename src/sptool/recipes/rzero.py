@@ -1,0 +1,155 @@
+"""R-Zero and R-Quest: a questioner and a solver evolve from nothing (seed 002).
+
+R-Zero (§2.1), per round: ``questioner_steps`` times, the questioner proposes questions, the
+solver answers each m times and the majority is the pseudo-label; the questioner is rewarded for
+questions the solver is unsure about (uncertainty − BLEU repetition penalty) and updated. Then
+the questioner proposes the solver's questions; those with majority agreement p in the band train
+the solver against the majority for ``solver_steps`` updates.
+
+R-Quest (§3) adds a validity gate (the solver first judges each question in validity mode; a
+question more than half judge invalid is not solved), a pairwise novelty gate (a frozen judge
+compares each question with K others) and a replay of the validity-initialisation set as 10 % of
+the solver's groups.
+"""
+
+from __future__ import annotations
+
+import random
+
+from sptool.recipes.base import Recipe, has_samples, is_parsed
+from sptool.run.steps import Step, StepContext
+
+
+def is_questioner_group(group: dict) -> bool:
+    return group.get("role") == "questioner"
+
+
+def is_math_with_samples(record: dict) -> bool:
+    return record.get("mode") == "math" and bool(record.get("samples"))
+
+
+class RZero(Recipe):
+    name = "rzero"
+    novelty_gate = False
+
+    def plan(self, iteration: int) -> list[Step]:
+        s, c = self.session, self.c
+        steps: list[Step] = []
+        for step in range(1, c.questioner_steps + 1):
+            p = f"q{step}-"
+            last = self.propose_and_grade(steps, p, c.questions, novelty=self.novelty_gate)
+            steps += [Step(f"{p}filter", self.filter(**self.filter_options()), inputs=[last], kind="filter"),
+                      Step(f"{p}train", s.train(["questioner"], groups=is_questioner_group),
+                           inputs=[f"{p}filter"], kind="train")]
+        last = self.propose_and_grade(steps, "s-", c.solver_questions, novelty=False)
+        steps += self.replay_steps()
+        steps += [Step("s-filter", self.solver_filter(), inputs=[last], kind="filter"),
+                  Step("s-train", s.train(["solver"], updates=c.solver_steps,
+                                          groups=lambda g: not is_questioner_group(g)),
+                       inputs=["s-filter"], kind="train")]
+        return steps
+
+    def propose_and_grade(self, steps: list[Step], p: str, questions: int, novelty: bool) -> str:
+        """Append the steps that propose ``questions`` questions and grade them; returns the name
+        of the last one (the filter's input)."""
+        s, c = self.session, self.c
+        steps.append(Step(f"{p}challenge", self.propose(questions), kind="challenge"))
+        last = self.validity_steps(steps, p, f"{p}challenge")
+        steps += [Step(f"{p}solve", s.solve(c.samples, "math"), inputs=[last], only=self.solvable, kind="solve"),
+                  Step(f"{p}verify", s.verify(pseudo_label=True), inputs=[f"{p}solve"],
+                       only=is_math_with_samples, kind="verify")]
+        if novelty:
+            steps.append(Step(f"{p}novelty", self.judge_novelty, inputs=[f"{p}verify"], kind="novelty"))
+            return f"{p}novelty"
+        return f"{p}verify"
+
+    # -- hooks R-Quest overrides ----------------------------------------------------------------
+
+    def validity_steps(self, steps: list[Step], p: str, last: str) -> str:
+        return last
+
+    @staticmethod
+    def solvable(record: dict) -> bool:
+        return is_parsed(record)
+
+    def replay_steps(self) -> list[Step]:
+        return []
+
+    def filter_options(self) -> dict:
+        c = self.c
+        return dict(bleu_threshold=c.bleu_threshold, solver_band=tuple(c.solver_band),
+                    format_weight=c.format_weight, uncertainty=c.uncertainty)
+
+    def solver_filter(self):
+        return self.filter(**self.filter_options())
+
+    # -- step bodies ----------------------------------------------------------------------------
+
+    def propose(self, questions: int):
+        """The questioner writes ``questions`` questions from nothing, ``questioner_group`` per prompt."""
+        def challenge(ctx: StepContext, records: list[dict]) -> list[dict]:
+            from sptool.challenge import NothingChallengeStage
+
+            stage = NothingChallengeStage(self.session.policy("questioner").backend, unseeded=True,
+                                          candidates=questions, params=self.session.params(ctx.seed),
+                                          batch_size=self.c.questioner_group)
+            return ctx.run_stage(stage, [])
+        return challenge
+
+    def judge_novelty(self, ctx: StepContext, records: list[dict]) -> list[dict]:
+        from sptool.novelty import NoveltyStage
+
+        stage = NoveltyStage(self.session.judge, k=self.c.novelty_k, seed=ctx.seed,
+                             max_new_tokens=self.c.novelty_max_tokens)
+        return ctx.run_stage(stage, records)
+
+
+class RQuest(RZero):
+    name = "rquest"
+    novelty_gate = True
+
+    def validity_steps(self, steps: list[Step], p: str, last: str) -> str:
+        """u(q): the solver judges each parsed question ``validity_samples`` times."""
+        s, c = self.session, self.c
+        steps += [Step(f"{p}solve-validity", s.solve(c.validity_samples, "validity"), inputs=[last],
+                       only=is_parsed, kind="solve"),
+                  Step(f"{p}verify-validity", s.verify(pseudo_label=True), inputs=[f"{p}solve-validity"],
+                       only=has_samples, kind="verify")]
+        return f"{p}verify-validity"
+
+    @staticmethod
+    def solvable(record: dict) -> bool:
+        """The validity gate: at most half the validity samples call the question invalid."""
+        return is_parsed(record) and (record.get("invalid_frac") or 0) <= 0.5
+
+    def replay_steps(self) -> list[Step]:
+        if not self.c.replay:
+            return []
+        return [Step("s-replay-solve", self.replay_solve, kind="solve"),
+                Step("s-replay-verify", self.session.verify(pseudo_label=False), inputs=["s-replay-solve"],
+                     kind="verify")]
+
+    def filter_options(self) -> dict:
+        c = self.c
+        return dict(bleu_threshold=c.bleu_threshold, solver_band=tuple(c.solver_band),
+                    format_weight=c.format_weight, replay=None, replay_share=c.replay_share)
+
+    def solver_filter(self):
+        if not self.c.replay:
+            return self.filter(**self.filter_options())
+
+        def filter(ctx: StepContext, records: list[dict]) -> list[dict]:
+            run_dir = self.session.run_dir
+            key = next(k for k in run_dir.manifest["order"]
+                       if k.startswith(f"iter-{ctx.iteration:04d}/") and k.endswith("-s-replay-verify"))
+            replay = str(run_dir.path / run_dir.manifest["stages"][key]["output"])
+            return self.filter(**{**self.filter_options(), "replay": replay})(ctx, records)
+        return filter
+
+    def replay_solve(self, ctx: StepContext, records: list[dict]) -> list[dict]:
+        """Re-solve (validity mode) a seeded sample of the validity-initialisation set for replay."""
+        from sptool.jsonl import read_records
+
+        pool = list(read_records(self.c.replay))
+        chosen = random.Random(ctx.seed).sample(pool, min(self.c.replay_problems, len(pool)))
+        return self.session.solve(self.c.validity_samples, "validity")(ctx, chosen)

@@ -1,0 +1,135 @@
+"""WIST: web-grounded self-play over a domain tree (seed 000).
+
+Per iteration (one training update): Thompson-sample B paths in the domain tree and grow it
+where a leaf is wide enough (``tree-expand``); search the web for each path's leaf and keep
+documents in per-leaf pools (``corpus-fetch``); the challenger writes G questions per document
+(``challenge``); the solver answers each K times and is graded against the challenger's answer
+(``solve``, ``verify``); the filter rewards the challenger by the Gaussian variance reward and
+trains the solver on one QA per document (role balancing); one update of the shared policy;
+finally the path posteriors are updated from the variances (``posterior-update``, Eq. 8-10).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections import defaultdict
+
+from sptool.recipes.base import Recipe
+from sptool.run.steps import Step, StepContext
+
+CHALLENGE_BATCH = 4  # documents per generate call
+
+
+class Wist(Recipe):
+    name = "wist"
+
+    def __init__(self, config: dict, session) -> None:
+        super().__init__(config, session)
+        self.tree: dict | None = None
+        self._encoder = None
+
+    def plan(self, iteration: int) -> list[Step]:
+        s, c = self.session, self.c
+        return [
+            Step("tree-expand", self.expand),
+            Step("corpus-fetch", self.fetch, inputs=["tree-expand"]),
+            Step("challenge", self.challenge, inputs=["corpus-fetch"]),
+            Step("solve", s.solve(c.samples), inputs=["challenge"]),
+            Step("verify", s.verify(pseudo_label=False), inputs=["solve"]),
+            Step("filter", self.filter(sigma=c.sigma, invalid_penalty=c.invalid_penalty), inputs=["verify"]),
+            Step("train", s.train(s.roles()), inputs=["filter"]),
+            Step("posterior-update", self.update_posterior, inputs=["verify"]),
+        ]
+
+    def restore(self, run_dir) -> None:
+        """The newest tree of the run, else ``wist.tree``, else a new tree for ``wist.domain``."""
+        from sptool.tree import load_tree, new_tree
+
+        saved = run_dir.latest_document("tree")
+        if saved is not None:
+            self.tree = load_tree(saved)
+        elif self.c.tree:
+            self.tree = load_tree(self.c.tree)
+        else:
+            self.tree = new_tree(self.c.domain, max_depth=self.c.max_depth, window_size=self.c.window,
+                                 max_children=self.c.max_children)
+
+    def save_tree(self, ctx: StepContext, tree: dict) -> None:
+        from sptool.tree import tree_rows
+
+        self.tree = tree
+        summary = [{"id": row["id"], "label": row["label"], "depth": row["depth"], "mean": row["mean"],
+                    "visits": row["visits"]} for row in tree_rows(tree) if not row["is_unk"] and row["depth"] >= 1]
+        ctx.save_document("tree", tree, summary)
+
+    def expand(self, ctx: StepContext, records: list[dict]) -> list[dict]:
+        """Sample ``paths`` paths (Thompson) and expand the tree along them (WIST §3.2)."""
+        from sptool.models.base import SamplingParams
+        from sptool.titles import load_title_backend
+        from sptool.tree import ExpandOptions, TreeExpander
+
+        c = self.c
+        tree = copy.deepcopy(self.tree)
+        titles = load_title_backend(c.titles or None, c.wiki_url or None)
+        params = SamplingParams(temperature=self.config["generation"]["temperature"],
+                                max_new_tokens=c.expand_max_tokens, seed=ctx.seed)
+        options = ExpandOptions(tau_wiki=c.tau_wiki, max_attempts=c.max_attempts, max_children=c.max_children)
+        expander = TreeExpander(self.session.policy("policy").backend, titles, params=params,
+                                options=options, log=self.session.say)
+        out = expander.expand(tree, c.paths, ctx.seed)
+        ctx.advance(len(out))
+        self.save_tree(ctx, tree)
+        return out
+
+    def fetch(self, ctx: StepContext, records: list[dict]) -> list[dict]:
+        """Search and fetch documents for each path's leaf; then, for each path, sample
+        ``docs_per_path`` document(s) from its leaf's pool (WIST §3)."""
+        from sptool.corpus.fetch import Fetcher
+        from sptool.corpus.policy import load_policy
+        from sptool.corpus.pool import LeafPool
+        from sptool.corpus.search import load_search
+        from sptool.corpus.stage import CorpusFetchStage
+
+        c = self.c
+        if self._encoder is None and c.encoder.lower() != "none":
+            from sptool.corpus.similarity import SentenceTransformerEncoder
+
+            self._encoder = SentenceTransformerEncoder(c.encoder)
+        search = load_search(c.search, url=c.search_url or None)
+        fetcher = Fetcher(load_policy(None, allow_private=c.allow_private))
+        stage = CorpusFetchStage(search, fetcher, encoder=self._encoder, tau_emb=c.tau_emb,
+                                 query_from=c.query_from, min_chars=c.min_chars,
+                                 pool=LeafPool(self.session.run_dir.path / "pools"), log=self.session.say,
+                                 now=lambda: "")
+        documents = ctx.run_stage(stage, records)
+        rng = random.Random(ctx.seed)
+        by_path: dict[str, list[dict]] = defaultdict(list)
+        for document in documents:
+            by_path[document["path_id"]].append(document)
+        chosen = []
+        for path_id in sorted(by_path):
+            pool = sorted(by_path[path_id], key=lambda d: d["id"])
+            chosen.extend(rng.sample(pool, min(c.docs_per_path, len(pool))))
+        return chosen
+
+    def challenge(self, ctx: StepContext, records: list[dict]) -> list[dict]:
+        """G question-answer candidates per document."""
+        from sptool.challenge import DocumentChallengeStage
+
+        stage = DocumentChallengeStage(self.session.policy("policy").backend, candidates=self.c.candidates,
+                                       params=self.session.params(ctx.seed), batch_size=CHALLENGE_BATCH,
+                                       max_document_chars=self.c.max_document_chars)
+        return ctx.run_stage(stage, records)
+
+    def update_posterior(self, ctx: StepContext, records: list[dict]) -> list[dict]:
+        """Each path's reward g from its QAs' variances, into the tree's posteriors (Eq. 8-10)."""
+        from sptool.tree import PosteriorUpdateStage
+
+        tree = copy.deepcopy(self.tree)
+        c = self.c
+        stage = PosteriorUpdateStage(tree, rule=c.posterior_rule, tau_var=c.tau_var, sigma=c.sigma,
+                                     rho=c.invalid_penalty)
+        updated = ctx.run_stage(stage, records)
+        self.save_tree(ctx, tree)
+        return [{"id": r.get("id"), "path_id": r.get("path_id"), "g": r.get("g")} for r in updated]

@@ -1,0 +1,120 @@
+"""The executor of ``sptool run``: plan -> skip what the manifest has -> run step -> persist.
+
+It knows no recipe. A recipe (``sptool.recipes.RECIPES``) gives each iteration's plan, a list of
+:class:`~sptool.run.steps.Step`; the driver runs the steps in order, each with its own seed
+derived from ``(run seed, iteration, step name)``, writes each output atomically and records it
+in the manifest. With ``eval.benchmarks`` it adds a held-out evaluation before the first
+iteration and after every ``eval.every``-th and the last one.
+
+Resume: a step listed in the manifest is not run again; its output is read back (sha256
+checked). Seeds are derived and ids are content hashes, so a resumed run writes the same records
+as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+from sptool.run import faults
+from sptool.run.metrics import step_metrics
+from sptool.run.run_dir import MANIFEST, RunDir  # noqa: F401 - MANIFEST is part of the API
+from sptool.run.session import Session
+from sptool.run.steps import Step, StepContext, run_step, stage_seed
+
+Event = Callable[[dict], None]
+
+
+class RunDriver:
+    """Runs ``config['run']['iterations']`` iterations of ``config['recipe']`` in ``run_dir``."""
+
+    def __init__(self, config: dict, run_dir: str | os.PathLike, *, resume: bool = False,
+                 on_event: Event | None = None, log: Callable[[str], None] | None = None):
+        from sptool.recipes import make_recipe
+
+        self.config = config
+        self.run_dir = RunDir(run_dir)
+        self.resume = resume
+        self.on_event = on_event
+        self.session = Session(config, self.run_dir, log=log)
+        self.recipe = make_recipe(config, self.session)
+
+    def emit(self, event: dict) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def _prepare_dir(self) -> None:
+        from sptool.recipes import schema_for, to_toml
+
+        self.resume = self.run_dir.prepare(self.config, resume=self.resume,
+                                           defaults=schema_for(self.config["recipe"]),
+                                           config_text=lambda: to_toml(self.config))
+
+    def plan(self, iteration: int) -> list[Step]:
+        """The recipe's steps, with the held-out evaluations around them."""
+        steps = self.recipe.plan(iteration)
+        if self.session.eval_sets():
+            every = self.config["eval"]["every"]
+            if iteration == 1:
+                steps.insert(0, Step("eval-before", self.session.evaluate(0), kind="eval"))
+            if iteration == self.config["run"]["iterations"] or (every and iteration % every == 0):
+                steps.append(Step("eval", self.session.evaluate(iteration), kind="eval"))
+        return steps
+
+    def run(self) -> dict:
+        self.session.eval_sets()  # a bad benchmark file fails here, before the run directory or a model
+        self._prepare_dir()
+        self.session.restore()
+        self.recipe.restore(self.run_dir)
+        iterations = self.config["run"]["iterations"]
+        started = time.monotonic()
+        ran = resumed = 0
+        try:
+            for iteration in range(1, iterations + 1):
+                steps = self.plan(iteration)
+                outputs: dict[str, Callable[[], list[dict]]] = {}
+                self.emit({"event": "iteration", "iteration": iteration, "iterations": iterations,
+                           "elapsed_s": time.monotonic() - started})
+                for index, step in enumerate(steps, 1):
+                    key = f"iter-{iteration:04d}/{index:02d}-{step.name}"
+                    entry = self.run_dir.finished(key)
+                    if entry is not None:
+                        outputs[step.name] = self.run_dir.reader(key)
+                        resumed += 1
+                        self.emit({"event": "stage-skipped", "stage": key, "iteration": iteration,
+                                   "records": entry["records"]})
+                        continue
+                    records = self._run_step(step, key, iteration, index, len(steps), outputs)
+                    outputs[step.name] = (lambda r=records: r)
+                    ran += 1
+        finally:
+            self.session.close()
+        return {"run_dir": str(self.run_dir.path), "stages_run": ran, "stages_resumed": resumed,
+                "iterations": iterations, "wall_s": time.monotonic() - started}
+
+    def _run_step(self, step: Step, key: str, iteration: int, index: int, total: int,
+                  outputs: dict) -> list[dict]:
+        self.emit({"event": "stage", "stage": key, "iteration": iteration, "index": index, "total": total})
+        faults.kill_point(key, "start")
+        seed = stage_seed(self.config["run"]["seed"], iteration, step.name)
+        ctx = StepContext(self, iteration, key, step, seed, outputs)
+        begin = time.monotonic()
+        records = run_step(ctx, ctx.inputs())
+        wall = time.monotonic() - begin
+        kind = step.metrics_kind
+        entry = self.run_dir.write_step(key, kind, records, seed=seed, rejects=ctx.rejects,
+                                        documents={name: doc for name, (doc, _) in ctx.documents.items()},
+                                        before_rename=lambda: faults.kill_point(key, "save"))
+        metrics: dict[str, Any] = step_metrics(kind, records)
+        for name, (_, summary) in ctx.documents.items():
+            if summary is not None:
+                metrics[name] = summary
+        metrics["rejected"] = len(ctx.rejects)
+        entry["metrics_line"] = {"iteration": iteration, "stage": step.name, "kind": kind,
+                                 "records": len(records), "wall_s": round(wall, 3), **metrics}
+        self.run_dir.finish(key, entry)
+        faults.kill_point(key, "done")
+        self.emit({"event": "stage-done", "stage": key, "iteration": iteration, "records": len(records),
+                   "wall_s": wall, "metrics": metrics})
+        return records

@@ -1,0 +1,173 @@
+"""The run directory: manifest, step outputs, resume checks and clean-up of partial files.
+
+Layout::
+
+    config.toml             the effective configuration
+    manifest.json           finished steps: output file, record count, sha256, metrics (atomic)
+    metrics.jsonl           one line per finished step (rebuilt from the manifest, atomic)
+    iter-0001/NN-STEP.jsonl each step's output (atomic); .rejects.jsonl: dropped records;
+                            NN-STEP.NAME.json: a document the step saved (WIST's tree)
+    NAME.json               the latest saved document of each name
+    ckpt/ROLE/step-N/       checkpoints
+
+Every file is written through :mod:`sptool.jsonl`'s atomic writers (temp file + rename), so a
+killed run leaves only ``.part`` temp files, removed when it resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from sptool.jsonl import AtomicJsonlWriter, write_json_atomic
+from sptool.records import RuntimeFailure, UsageError
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def write_jsonl(path: Path, records: Iterable[dict], before_rename: Callable[[], None] | None = None) -> None:
+    """Write ``records`` atomically; ``before_rename`` runs once they are written (a test hook)."""
+    with AtomicJsonlWriter(path) as writer:
+        for record in records:
+            writer.write(record)
+        if before_rename is not None:
+            before_rename()
+
+
+def changed_keys(config: dict, saved: dict, defaults: dict) -> list[str]:
+    """``section.key`` names whose value differs from the saved run's (a key newer than the run,
+    absent from its saved configuration, counts as its default)."""
+    return sorted(f"{s}.{k}" for s in config if isinstance(config[s], dict) for k in config[s]
+                  if saved.get(s, {}).get(k, defaults.get(s, {}).get(k)) != config[s][k])
+
+
+class RunDir:
+    """One run's directory and its manifest (``order``: finished step keys; ``stages``: entries)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest: dict = {}
+
+    def prepare(self, config: dict, *, resume: bool, defaults: dict, config_text: Callable[[], str]) -> bool:
+        """Create a new run directory, or open one to resume; returns whether it resumes."""
+        recipe = config["recipe"]
+        manifest_path = self.path / MANIFEST
+        if resume:
+            if manifest_path.is_file():
+                self._open(config, defaults)
+                return True
+            if self.path.exists() and any(self.path.iterdir()):
+                raise UsageError(f"--resume: {self.path} has no {MANIFEST}; not a run directory")
+        elif self.path.exists() and any(self.path.iterdir()):
+            raise UsageError(f"run directory {self.path} is not empty; use --resume to continue "
+                             f"it or choose another --run-dir")
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "config.toml").write_text(config_text(), encoding="utf-8")
+        self.manifest = {"format": FORMAT, "recipe": recipe, "config": config,
+                         "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "stages": {}, "order": []}
+        self.save()
+        return False
+
+    def _open(self, config: dict, defaults: dict) -> None:
+        recipe = config["recipe"]
+        self.manifest = json.loads((self.path / MANIFEST).read_text(encoding="utf-8"))
+        if self.manifest.get("recipe") != recipe:
+            raise UsageError(f"--resume: {self.path} is a '{self.manifest.get('recipe')}' run, "
+                             f"not '{recipe}'")
+        saved = self.manifest.get("config")
+        if saved and saved != config:
+            changed = changed_keys(config, saved, defaults)
+            if any(key != "run.iterations" for key in changed):
+                raise UsageError(f"--resume: the configuration differs from the run's "
+                                 f"({', '.join(changed[:5])}); resume with the same options")
+            self.manifest["config"] = config
+        self.clean_partials()
+
+    def clean_partials(self) -> None:
+        """Remove temp files a killed run left (step outputs, checkpoint staging dirs)."""
+        for path in self.path.rglob(".*"):
+            if ".part" in path.name or ".sptool-tmp-" in path.name or ".sptool-old-" in path.name:
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+    def save(self) -> None:
+        """The manifest, then ``metrics.jsonl`` rebuilt from it (both atomic)."""
+        write_json_atomic(self.path / MANIFEST, self.manifest)
+        write_jsonl(self.path / "metrics.jsonl",
+                    [self.manifest["stages"][key]["metrics_line"] for key in self.manifest["order"]])
+
+    # -- finished steps ------------------------------------------------------------------------
+
+    def finished(self, key: str) -> dict | None:
+        return self.manifest["stages"].get(key)
+
+    def finish(self, key: str, entry: dict) -> None:
+        self.manifest["stages"][key] = entry
+        self.manifest["order"].append(key)
+        self.save()
+
+    def entries(self) -> Iterable[dict]:
+        """Finished steps' entries in the order they finished."""
+        return (self.manifest["stages"][key] for key in self.manifest["order"])
+
+    def reader(self, key: str) -> Callable[[], list[dict]]:
+        """Read a finished step's output back (once, lazily), checking its sha256."""
+        entry = self.manifest["stages"][key]
+        path = self.path / entry["output"]
+        cache: list = []
+
+        def read() -> list[dict]:
+            if not cache:
+                if not path.is_file() or file_sha256(path) != entry["sha256"]:
+                    raise RuntimeFailure(f"--resume: {path} is missing or changed since it was written "
+                                         f"(sha256 differs from {MANIFEST})")
+                cache.append(read_jsonl(path))
+            return cache[0]
+
+        return read
+
+    def latest_document(self, name: str) -> Path | None:
+        """The last saved document ``name`` (e.g. ``tree``) of the finished steps."""
+        found = None
+        for entry in self.entries():
+            if entry.get(name):
+                found = entry[name]
+        return self.path / found if found else None
+
+    def write_step(self, key: str, kind: str, records: list[dict], *, seed: int, rejects: list[dict],
+                   documents: dict[str, Any], before_rename: Callable[[], None]) -> dict:
+        """Write a step's output (and rejects, documents); returns its manifest entry (no sha yet
+        for metrics: the caller adds ``metrics_line``)."""
+        iteration_dir, stem = key.split("/")
+        directory = self.path / iteration_dir
+        directory.mkdir(exist_ok=True)
+        path = directory / f"{stem}.jsonl"
+        entry: dict[str, Any] = {"kind": kind, "output": str(path.relative_to(self.path)),
+                                 "records": len(records), "seed": seed}
+        for name, document in documents.items():
+            document_path = directory / f"{stem}.{name}.json"
+            write_json_atomic(document_path, document)
+            write_json_atomic(self.path / f"{name}.json", document)
+            entry[name] = str(document_path.relative_to(self.path))
+        if rejects:
+            write_jsonl(directory / f"{stem}.rejects.jsonl", rejects)
+        write_jsonl(path, records, before_rename=before_rename)
+        entry["sha256"] = file_sha256(path)
+        return entry

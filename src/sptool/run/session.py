@@ -1,0 +1,276 @@
+"""The models and graders a run keeps loaded between steps, and the step functions over them.
+
+- :class:`Policy`: one trained role (``policy``, or ``questioner``/``solver``): its trainer and
+  its generation backend. With the ``hf`` backend the generator *shares the trainer's weights*
+  (:meth:`HFBackend.from_model`), so every generation after a ``train`` step uses the freshly
+  trained weights without a reload; other backends reload from the newest checkpoint.
+- :class:`Session`: the policies per role, R-Quest's frozen judge, the verifier, the held-out
+  sets, and factories of the step functions every recipe uses (solve, verify, train, evaluate).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from sptool.records import UsageError, content_id
+from sptool.run import faults
+from sptool.run.run_dir import RunDir, read_jsonl
+from sptool.run.steps import StepContext, StepFunction
+
+# Prompts (questions, documents) per generate call; the backend batches their samples again by
+# model.gen_batch_size.
+SOLVE_BATCH = 16
+
+
+def read_labelled_problems(path: str, user: str) -> list[dict]:
+    """Problems with reference answers (``question``, ``answer``) from JSONL, for ``user`` (named
+    in the error when a line has no answer or the file has no problems)."""
+    from sptool.jsonl import read_records
+    from sptool.records import QUESTION
+
+    problems = list(read_records(path, QUESTION))
+    for number, record in enumerate(problems, 1):
+        if record.get("answer") in (None, ""):
+            raise UsageError(f"{path}:{number}: field 'answer': {user} needs a reference answer")
+    if not problems:
+        raise UsageError(f"{path}: no problems")
+    return problems
+
+
+class Policy:
+    """One trained role: its trainer (loaded on first use) and its generation backend."""
+
+    def __init__(self, session: "Session", role: str, start: str):
+        self.session, self.role, self.start = session, role, start
+        self._trainer = None
+        self._backend = None
+
+    @property
+    def trainer(self):
+        if self._trainer is None:
+            from sptool.train.step import PolicyTrainer, TrainConfig
+
+            c = self.session.config
+            train = c["train"]
+            config = TrainConfig(model=self.start, loss=train["loss"], beta=train["beta"],
+                                 learning_rate=train["learning_rate"], max_grad_norm=train["max_grad_norm"],
+                                 lora_r=train["lora_r"],
+                                 max_tokens_per_micro_batch=train["max_tokens_per_micro_batch"],
+                                 chat_template=c["model"]["chat_template"],
+                                 device=c["model"]["device"] or None, seed=c["run"]["seed"])
+            self.session.say(f"loading {self.role} policy from {self.start}")
+            self._trainer = PolicyTrainer(config, log=self.session.say)
+        return self._trainer
+
+    @property
+    def backend(self):
+        if self._backend is None:
+            c = self.session.config["model"]
+            if c["backend"] == "hf":
+                from sptool.models.hf import HFBackend
+
+                trainer = self.trainer
+                self._backend = HFBackend.from_model(
+                    trainer.accelerator.unwrap_model(trainer.model), trainer.tokenizer,
+                    model_id=str(trainer.config.model), batch_size=c["gen_batch_size"],
+                    chat_template=c["chat_template"])
+            else:
+                self._backend = self.session.load_generator(self.start)
+        return self._backend
+
+    def after_update(self, checkpoint: str) -> None:
+        """New weights: the shared ``hf`` backend sees them already; others reload."""
+        self.start = checkpoint
+        backend = self.session.config["model"]["backend"]
+        if backend not in ("hf", "scripted") and self._backend is not None:
+            self._backend.close()
+            self._backend = None
+
+    def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+        self._backend = None
+        self._trainer = None
+
+
+class Session:
+    """Models, graders and held-out sets of one run (loaded lazily, closed at the end)."""
+
+    def __init__(self, config: dict, run_dir: RunDir, log: Callable[[str], None] | None = None):
+        self.config = config
+        self.run_dir = run_dir
+        self.log = log
+        self.policies: dict[str, Policy] = {}
+        self._judge = None
+        self._verifier = None
+        self._eval_sets: list[tuple[str, list[dict]]] | None = None
+
+    def say(self, message: str) -> None:
+        if self.log is not None:
+            self.log(message)
+
+    # -- roles and models ------------------------------------------------------------------------
+
+    @property
+    def shared_policy(self) -> bool:
+        return self.config["train"]["shared_policy"]
+
+    def roles(self) -> list[str]:
+        return ["policy"] if self.shared_policy else ["questioner", "solver"]
+
+    def role_for_group(self, group: dict) -> str:
+        if self.shared_policy:
+            return "policy"
+        return "questioner" if group.get("role") == "questioner" else "solver"
+
+    def policy(self, role: str) -> Policy:
+        return self.policies["policy" if self.shared_policy else role]
+
+    def restore(self) -> None:
+        """Each role starts from ``model.policy`` or its newest checkpoint in the run directory."""
+        starts = {role: self.config["model"]["policy"] for role in self.roles()}
+        for entry in self.run_dir.entries():
+            if entry["kind"] == "train":
+                for record in read_jsonl(self.run_dir.path / entry["output"]):
+                    if record.get("checkpoint"):
+                        starts[record["role"]] = str(self.run_dir.path / record["checkpoint"])
+        self.policies = {role: Policy(self, role, start) for role, start in starts.items()}
+
+    def load_generator(self, model: str):
+        from sptool.models.base import load_backend
+
+        c = self.config["model"]
+        if c["backend"] == "scripted":
+            return load_backend("scripted", c["script"] or "scripted")
+        return load_backend(c["backend"], model, device=c["device"] or None, dtype=c["dtype"] or None,
+                            batch_size=c["gen_batch_size"], chat_template=c["chat_template"], log=self.say)
+
+    @property
+    def judge(self):
+        """R-Quest's frozen novelty judge: the base model (or ``model.judge``), never trained."""
+        if self._judge is None:
+            c = self.config["model"]
+            self._judge = self.load_generator(c["judge"] or c["policy"])
+        return self._judge
+
+    def verifier(self, pseudo_label: bool):
+        from sptool.verify import VerifyStage
+
+        if self._verifier is None:
+            v = self.config["verify"]
+            self._verifier = VerifyStage(workers=v["workers"], deadline_s=v["deadline_s"])
+        self._verifier.pseudo_label = pseudo_label
+        return self._verifier
+
+    def params(self, seed: int, max_tokens: int | None = None):
+        from sptool.models.base import SamplingParams
+
+        g = self.config["generation"]
+        return SamplingParams(temperature=g["temperature"], top_p=g["top_p"],
+                              max_new_tokens=max_tokens or g["max_tokens"], seed=seed)
+
+    def eval_sets(self) -> list[tuple[str, list[dict]]]:
+        """The held-out benchmarks of ``eval.benchmarks`` (read and checked once, at the start)."""
+        if self._eval_sets is None:
+            self._eval_sets = []
+            for path in [p.strip() for p in self.config["eval"]["benchmarks"].split(",") if p.strip()]:
+                problems = read_labelled_problems(path, "a held-out benchmark")
+                name = Path(path).name.split(".")[0]
+                if any(name == known for known, _ in self._eval_sets):
+                    name = path  # two files with one stem: tell them apart by path
+                self._eval_sets.append((name, problems))
+        return self._eval_sets
+
+    def close(self) -> None:
+        for policy in self.policies.values():
+            policy.close()
+        if self._judge is not None:
+            self._judge.close()
+        if self._verifier is not None:
+            self._verifier.close()
+
+    # -- step functions every recipe uses --------------------------------------------------------
+
+    def solve(self, samples: int, mode: str = "math", role: str = "solver") -> StepFunction:
+        """Sample ``samples`` solutions per record with ``role``'s current weights."""
+        def solve(ctx: StepContext, records: list[dict]) -> list[dict]:
+            from sptool.solve import SolveStage
+
+            stage = SolveStage(self.policy(role).backend, samples=samples, mode=mode,
+                               params=self.params(ctx.seed), batch_size=SOLVE_BATCH)
+            return ctx.run_stage(stage, records)
+        return solve
+
+    def verify(self, pseudo_label: bool) -> StepFunction:
+        """Grade the samples: against the reference answer, or the majority (``pseudo_label``)."""
+        def verify(ctx: StepContext, records: list[dict]) -> list[dict]:
+            return ctx.run_stage(self.verifier(pseudo_label), records)
+        return verify
+
+    def train(self, roles: list[str] | Callable[[], list[str]], updates: int = 1,
+              groups: Callable[[dict], bool] | None = None) -> StepFunction:
+        """``updates`` optimizer steps per role over its training groups (those passing
+        ``groups``); one checkpoint per role, the older ones pruned to ``run.keep``."""
+        def train(ctx: StepContext, records: list[dict]) -> list[dict]:
+            chosen = [g for g in records if groups is None or groups(g)]
+            return self._train(ctx, chosen, roles() if callable(roles) else roles, updates)
+        return train
+
+    def _train(self, ctx: StepContext, groups: list[dict], roles: list[str], updates: int) -> list[dict]:
+        from sptool.train.step import split_updates
+
+        out = []
+        for role in roles:
+            mine = [g for g in groups if self.role_for_group(g) == role]
+            policy = self.policies[role]
+            if not mine:
+                out.append({"role": role, "step": None, "checkpoint": None, "groups": 0,
+                            "skipped": "no training groups"})
+                continue
+            trainer = policy.trainer
+            per_update = max(1, math.ceil(len(mine) / updates))
+            metrics: dict[str, Any] = {}
+            for chunk in split_updates(mine, per_update):
+                metrics = trainer.update(chunk)
+                ctx.advance()
+            faults.kill_point(ctx.key, "train-done")
+            directory = self.run_dir.path / "ckpt" / role / f"step-{trainer.step:04d}"
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            with faults.checkpoint_kill_point(ctx.key):
+                trainer.save(directory)
+            policy.after_update(str(directory))
+            self._prune(role)
+            out.append({"role": role, "step": trainer.step, "groups": len(mine), "updates": updates,
+                        "checkpoint": str(directory.relative_to(self.run_dir.path)), "metrics": metrics})
+        return out
+
+    def _prune(self, role: str) -> None:
+        keep = self.config["run"]["keep"]
+        if not keep:
+            return
+        directories = sorted((p for p in (self.run_dir.path / "ckpt" / role).glob("step-*") if p.is_dir()),
+                             key=lambda p: int(p.name.split("-")[1]))
+        for old in directories[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def evaluate(self, after_iteration: int) -> StepFunction:
+        """Greedy accuracy, mean@k and pass@k of the current solver weights on each benchmark."""
+        def evaluate(ctx: StepContext, records: list[dict]) -> list[dict]:
+            from sptool.evaluate import evaluate_benchmark
+
+            e = self.config["eval"]
+            backend = self.policy("solver").backend
+            out = []
+            for name, problems in self.eval_sets():
+                result, _ = evaluate_benchmark(
+                    name, problems, backend, samples=e["samples"], ks=tuple(sorted({1, e["samples"]})),
+                    params=self.params(ctx.seed, e["max_tokens"] or None), verifier=self.verifier(False),
+                    batch_size=SOLVE_BATCH)
+                out.append({"id": content_id("eval", name, after_iteration), "benchmark": name,
+                            "after_iteration": after_iteration, **result.as_dict()})
+                ctx.advance()
+            return out
+        return evaluate

@@ -1,0 +1,110 @@
+"""Declarative steps: what a recipe's plan is made of.
+
+A :class:`Step` names a function, the earlier steps whose outputs it reads and an optional
+record predicate::
+
+    Step("verify-variants", session.verify(), inputs=["solve-variants"], only=has_samples, kind="verify")
+
+The executor (:mod:`sptool.run.driver`) hands the function a :class:`StepContext` and the
+concatenated outputs of ``inputs``. With ``only``, the function sees just the records that pass
+it; the others are passed through untouched, in their places.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from sptool.jsonl import dumps
+from sptool.records import content_id
+from sptool.run import faults
+from sptool.stage import Stage, StageStats
+
+if TYPE_CHECKING:
+    from sptool.run.driver import RunDriver
+
+StepFunction = Callable[["StepContext", list[dict]], list[dict]]
+Predicate = Callable[[dict], bool]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of an iteration; its output is ``iter-NNNN/MM-{name}.jsonl``."""
+
+    name: str                       # unique within the iteration, e.g. "q1-verify"
+    fn: StepFunction                # (context, input records) -> output records
+    inputs: Sequence[str] = ()      # earlier steps whose outputs are concatenated as input
+    only: Predicate | None = None   # run fn on these records only; the rest pass through
+    kind: str | None = None         # metrics kind (solve, verify, filter, train, …); default: name
+
+    @property
+    def metrics_kind(self) -> str:
+        return self.kind or self.name
+
+
+def stage_seed(run_seed: int, iteration: int, stage: str) -> int:
+    """The seed of one step: a hash of (run seed, iteration, step name), below 2**20 (stages
+    multiply seeds by batch numbers and backends again by large primes: keep within int64)."""
+    return int(content_id("stage-seed", run_seed, iteration, stage)[:8], 16) % (2 ** 20)
+
+
+def json_copy(records: list[dict]) -> list[dict]:
+    """A deep copy through JSON: steps see exactly what a resumed run reads back from disk."""
+    return [json.loads(dumps(record)) for record in records]
+
+
+class StepContext:
+    """What a step function sees: its seed, earlier outputs of the iteration, a record counter,
+    the records it dropped, and documents (a tree) to persist beside its output."""
+
+    def __init__(self, driver: "RunDriver", iteration: int, key: str, step: Step, seed: int,
+                 outputs: dict[str, Callable[[], list[dict]]]):
+        self.driver, self.iteration, self.key, self.step = driver, iteration, key, step
+        self.name = step.name
+        self.seed = seed
+        self.outputs = outputs
+        self.rejects: list[dict] = []
+        self.documents: dict[str, tuple[Any, Any]] = {}
+        self.count = 0
+
+    def output(self, name: str) -> list[dict]:
+        """A copy of an earlier step's output in this iteration."""
+        return json_copy(self.outputs[name]())
+
+    def inputs(self) -> list[dict]:
+        return [record for name in self.step.inputs for record in self.output(name)]
+
+    def run_stage(self, stage: Stage, records: list[dict]) -> list[dict]:
+        """Run a library stage over ``records``, counting items and collecting drops."""
+        stage.stats = StageStats()
+        stage.on_drop = lambda record, reason: self.rejects.append({**record, "reject_reason": reason})
+        out = []
+        for record in stage.run(records):
+            out.append(record)
+            self.advance()
+        return out
+
+    def advance(self, n: int = 1) -> None:
+        self.count += n
+        if self.count == n:
+            faults.kill_point(self.key, "mid")
+        self.driver.emit({"event": "progress", "stage": self.key, "items": self.count})
+
+    def save_document(self, name: str, document: Any, summary: Any = None) -> None:
+        """Persist ``document`` (JSON) as ``NN-step.{name}.json`` and ``{name}.json`` in the run
+        directory; ``summary`` (if any) goes into the step's metrics under ``name``."""
+        self.documents[name] = (document, summary)
+
+
+def run_step(ctx: StepContext, records: list[dict]) -> list[dict]:
+    """Apply ``ctx.step`` to ``records``, honouring its ``only`` predicate."""
+    step = ctx.step
+    if step.only is None:
+        return step.fn(ctx, records)
+    chosen = [i for i, record in enumerate(records) if step.only(record)]
+    done = step.fn(ctx, [records[i] for i in chosen])
+    out = list(records)
+    for i, record in zip(chosen, done):
+        out[i] = record
+    return out
