@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from sptool.records import UsageError
+from sptool.registry import Registry
 
-RECIPE_NAMES = ("wist", "svs", "rzero", "rquest")
 # name -> "module:class" of its plan (loaded on use); each module reads like its paper's algorithm
-RECIPES = {"wist": "sptool.recipes.wist:Wist", "svs": "sptool.recipes.svs:Svs",
-           "rzero": "sptool.recipes.rzero:RZero", "rquest": "sptool.recipes.rzero:RQuest"}
+_PLANS = {"wist": "sptool.recipes.wist:Wist", "svs": "sptool.recipes.svs:Svs",
+          "rzero": "sptool.recipes.rzero:RZero", "rquest": "sptool.recipes.rzero:RQuest"}
+RECIPES: Registry = Registry("recipe", _PLANS)
+RECIPE_NAMES = tuple(_PLANS)  # in the order `recipes list` shows them
 
 # Keys every recipe shares. Recipe files set the papers' values; these are neutral fallbacks.
 COMMON_SCHEMA: dict[str, dict[str, Any]] = {
@@ -149,19 +151,12 @@ def schema_for(recipe: str) -> dict[str, dict[str, Any]]:
 
 
 def check_recipe_name(name: str) -> None:
-    if name not in RECIPE_NAMES:
-        from sptool.models.base import unknown_name_error
-
-        raise unknown_name_error("recipe", name, list(RECIPE_NAMES))
+    RECIPES.check(name)
 
 
 def make_recipe(config: dict, session):
     """The plan object of ``config['recipe']`` over ``session`` (a :class:`~sptool.run.session.Session`)."""
-    import importlib
-
-    check_recipe_name(config["recipe"])
-    module, attribute = RECIPES[config["recipe"]].split(":")
-    return getattr(importlib.import_module(module), attribute)(config, session)
+    return RECIPES.get(config["recipe"])(config, session)
 
 
 def recipe_text(name: str) -> str:
