@@ -14,6 +14,8 @@ For each solved question with samples ``y_1..y_K``:
   largest class is the ``majority`` and ``majority_frac`` s = |class| / K (R-Zero's p, R-Quest's s);
 - with no reference answer (pseudo-label mode) a sample is correct when it is in the majority
   class;
+- a reasoning-gym record whose task is not mathematical (``grader: "reasoning-gym"``, from
+  ``sptool data gym``) is graded by the task's own scorer instead (answers grouped by equal text);
 - p̂ = mean correctness, Var = p̂ (1 − p̂) (WIST's learnability signal).
 
 Model text is only ever parsed (latex2sympy), never evaluated as code.
@@ -225,20 +227,56 @@ def warm_up() -> None:
     parse_completion("The final answer is $1$.")
 
 
+def _task_scorer_answers(texts: list[str], scorer: dict, require_boxed: bool):
+    """Answers, boxed flags, classes and a correctness test for a task graded by its own scorer
+    (reasoning-gym): the answer is the boxed text (else an answer tag or stated answer), classes
+    are equal answers up to case and spacing, correct means the task's score is 1."""
+    from sptool.gym import normalised_plain, plain_answer, task_score
+
+    answers: list[str | None] = []
+    boxed: list[bool] = []
+    for text in texts:
+        box = extract_final_answer(text)
+        answers.append(INVALID if box == INVALID else plain_answer(text, box, require_boxed=require_boxed))
+        boxed.append(box is not None)
+    by_key: dict[str, list[int]] = {}
+    for index, answer in enumerate(answers):
+        if answer is not None and answer != INVALID:
+            by_key.setdefault(normalised_plain(answer), []).append(index)
+    classes = sorted(by_key.values(), key=lambda members: (-len(members), members[0]))
+
+    def is_correct(index: int) -> bool:
+        answer = answers[index]
+        return answer is not None and answer != INVALID and task_score(
+            scorer["task"], scorer.get("config") or {}, scorer["entry"], answer) >= 1.0
+
+    return answers, boxed, classes, is_correct
+
+
 def grade(task: dict) -> dict:
     """Grade one solved question: ``{"texts": [...], "gold": str|None, "require_boxed": bool}``
     → verdict fields."""
     texts: list[str] = task["texts"]
     gold: str | None = task["gold"]
     k = len(texts)
-    finals = [final_answer(text, require_boxed=task.get("require_boxed", False)) for text in texts]
-    answers = [final.text if final else None for final in finals]
-    classes = majority_classes(finals)
+    require_boxed = task.get("require_boxed", False)
+    if task.get("scorer"):  # a reasoning-gym task that is not graded by math-verify
+        answers, boxed, classes, is_correct = _task_scorer_answers(texts, task["scorer"], require_boxed)
+    else:
+        finals = [final_answer(text, require_boxed=require_boxed) for text in texts]
+        answers = [final.text if final else None for final in finals]
+        boxed = [bool(final and final.boxed) for final in finals]
+        classes = majority_classes(finals)
+        reference = boxed_answer(gold) if gold is not None else None
+
+        def is_correct(index: int) -> bool:
+            final = finals[index]
+            return final is not None and final.text != INVALID and equivalent(reference, final)
+
     majority_members = set(classes[0]) if classes else set()
     majority = answers[classes[0][0]] if classes else None
     if gold is not None:
-        reference = boxed_answer(gold)
-        correct = [f is not None and f.text != INVALID and equivalent(reference, f) for f in finals]
+        correct = [is_correct(index) for index in range(k)]
         label_source = "reference"
     else:
         correct = [index in majority_members for index in range(k)]
@@ -246,7 +284,7 @@ def grade(task: dict) -> dict:
     p_hat = empirical_accuracy(correct)
     return {
         "answers": answers,
-        "boxed": [bool(final and final.boxed) for final in finals],
+        "boxed": boxed,
         "correct": correct,
         "p_hat": p_hat,
         "var": empirical_variance(p_hat),
@@ -285,8 +323,14 @@ class VerifyStage(Stage):
 
     def _task(self, record: dict) -> dict:
         gold = None if self.pseudo_label else answer_text(record.get("answer"))
-        return {"texts": [sample["text"] for sample in record["samples"]], "gold": gold,
+        task = {"texts": [sample["text"] for sample in record["samples"]], "gold": gold,
                 "require_boxed": self.require_boxed}
+        if record.get("grader") == "reasoning-gym" and isinstance(record.get("task"), str):
+            gym = record.get("gym") if isinstance(record.get("gym"), dict) else {}
+            task["scorer"] = {"task": record["task"], "config": gym.get("config") or {},
+                              "entry": {"question": record["question"], "answer": record.get("answer"),
+                                        "metadata": record.get("metadata") or {}}}
+        return task
 
     def process(self, records: Iterator[dict]) -> Iterator[dict]:
         buffered: list[dict] = []

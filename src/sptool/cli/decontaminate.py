@@ -1,0 +1,46 @@
+"""``sptool decontaminate``: drop records that overlap benchmark problems (n-grams and MinHash)."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from sptool.cli import common
+
+
+def register(app: typer.Typer) -> None:
+    app.command("decontaminate")(decontaminate)
+
+
+def decontaminate(
+    input_path: Optional[str] = common.InputArg,
+    benchmarks: List[str] = typer.Option(..., "-b", "--benchmark",
+                                         help="Benchmark JSONL (fields: question, optional id); repeat "
+                                              "for several files."),
+    output: str = common.OutputOpt,
+    ngram: int = typer.Option(13, "--ngram", help="Words in a shared run that marks a copy."),
+    min_words: int = typer.Option(8, "--min-words",
+                                  help="A problem shorter than --ngram counts when it appears whole, if it "
+                                       "has at least this many words (shorter ones: exact copies only)."),
+    minhash_threshold: float = typer.Option(0.7, "--minhash-threshold",
+                                            help="MinHash Jaccard (over word pairs) at or above which a "
+                                                 "record is a near-copy."),
+    no_minhash: bool = typer.Option(False, "--no-minhash", help="Only the n-gram test."),
+    quiet: bool = common.QuietOpt,
+    skip_invalid: bool = common.SkipInvalidOpt,
+    rejects: Optional[str] = common.RejectsOpt,
+) -> None:
+    """Drop records whose 'question' (or WIST document 'text') overlaps a benchmark problem.
+
+    Text is compared as normalised words (case, whitespace and punctuation ignored). A dropped
+    record goes to --rejects with 'contamination': benchmark, problem_id, method (ngram or
+    minhash), the matched span and the similarity.
+    """
+    from sptool.decontaminate import DecontaminateStage, load_index
+
+    index = load_index(benchmarks, ngram=ngram, min_words=min_words,
+                       threshold=None if no_minhash else minhash_threshold)
+    stage = DecontaminateStage(index)
+    common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
+                     skip_invalid=skip_invalid, rejects=rejects)
