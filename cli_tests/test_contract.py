@@ -91,6 +91,8 @@ STAGES = [
     Row("eval", ["eval", "--backend", "scripted", "-k", "1", "--pass-at", "1", "--no-greedy", "--workers", "0",
                  "--json"], {"question": "What is 1+1?", "answer": "2"},
         passes_through=False, skip_invalid=False, output_flag=None),
+    Row("decontaminate", ["decontaminate", "-b", str(FIXTURES / "bench" / "basic_algebra.jsonl")],
+        {"id": "q1", "question": "Name a prime number between 100 and 110."}),
     Row("train-step", ["train-step", "--output", "{tmp}/ckpt"],
         {"prompt": "Say yes.", "completions": ["yes", "no"], "rewards": [1.0, 0.0]},
         passes_through=False, output_flag=None, slow=("skip_invalid",),
@@ -227,6 +229,7 @@ def test_stage_table_covers_every_stage_command():
     not_stages = {"run",                 # the driver; tested in test_run.py
                   "recipes list", "recipes show",  # print packaged recipes, read no records
                   "report",              # reads a run directory
+                  "data gym",            # makes records from generators, reads none
                   "tree init", "tree show", "tree expand"}  # the tree file, not JSONL records
     table = {" ".join(row.path) for row in STAGES}
     assert table <= commands and commands - not_stages == table, sorted(commands - not_stages - table)
