@@ -7,13 +7,23 @@ Both paths get the same random-initialised model (copied), the same token batch 
 ``groups × group_size`` sequences of ``prompt_len + completion_len`` tokens, random advantages)
 and the same micro-batch plan (``--max-tokens-per-micro-batch``). The bare path is the minimum
 any trainer must do: forward, a policy-gradient loss −Σ A·log π over completion tokens,
-backward, AdamW step. The sptool path is ``PolicyTrainer.update_sequences`` (Dr. GRPO loss,
-ratio, clipping, entropy and metrics, gradient clipping, accelerate wrapping).
+backward, AdamW step. The sptool paths are ``PolicyTrainer.update_sequences`` (Dr. GRPO loss,
+ratio, clipping, entropy and metrics, gradient clipping, accelerate wrapping):
 
-Prints a table with tokens/s (prompt + completion tokens per second of the update), the ratio
-sptool / bare and, on CUDA, model FLOPs utilisation against ``--peak-tflops`` (default 790,
-bf16 dense) using FLOPs/token = 6·N + 12·L·d·T (PaLM appendix B; N = parameters in matmuls,
-L layers, d hidden size, T sequence length).
+- ``old``: ``--full-logits``, the previous computation ([tokens × vocabulary] logits, float32
+  log-softmax and entropy over them, attention mask);
+- ``new``: the default (head applied in token chunks, fused loss gradient, no attention mask);
+- ``new-noent``: the default without the entropy metric (``--no-entropy``);
+- ``new-compile``: the default with ``--compile`` (regional torch.compile of the decoder layers,
+  compiled chunk kernels); its first (untimed) step pays the compile time.
+
+Each path runs alone (the previous one's model and optimizer are freed first), one untimed
+warm-up step, then ``--repeats`` timed steps. Prints a table with tokens/s (prompt + completion
+tokens per second of the update), the ratio to bare, peak memory (CUDA: the allocator's peak;
+CPU: the process's peak resident memory, reset before each path) and, on CUDA, model FLOPs
+utilisation against ``--peak-tflops`` (default 790, bf16 dense) using FLOPs/token =
+6·N + 12·L·d·T (PaLM appendix B; N = parameters in matmuls, L layers, d hidden size, T sequence
+length).
 """
 
 from __future__ import annotations
@@ -96,10 +106,121 @@ def flops_per_token(model, config, seq_len: int) -> float:
     return 6 * n + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
+PATHS = {
+    "bare": ("bare torch fwd/bwd/AdamW", None),
+    "old": ("sptool train-step, old (--full-logits)", dict(full_logits=True)),
+    "new": ("sptool train-step, new (chunked log-probs)", dict()),
+    "new-noent": ("sptool train-step, new, --no-entropy", dict(entropy=False)),
+    "new-compile": ("sptool train-step, new, --compile", dict(compile=True)),
+}
+
+
+def reset_peak(cuda: bool) -> None:
+    import torch
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:  # Linux: writing 5 to clear_refs resets the peak resident set size (VmHWM)
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        pass
+
+
+def peak_gib(cuda: bool) -> float | None:
+    import torch
+
+    if cuda:
+        return torch.cuda.max_memory_allocated() / 2**30
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def run_shape(args, shape: str, paths: list[str]) -> None:
+    import gc
+
+    import torch
+
+    from sptool.train.step import PolicyTrainer, TrainConfig, plan_micro_batches
+
+    cuda = args.device.startswith("cuda")
+    model, config = build_model(shape, args.seed)
+    sequences = make_batch(args, config.vocab_size)
+    plan = plan_micro_batches([s.length for s in sequences], args.max_tokens_per_micro_batch)
+    tokens = sum(s.length for s in sequences)
+    n_params = sum(p.numel() for p in model.parameters())
+    autocast_dtype = torch.bfloat16 if cuda else None
+    seq_len = args.prompt_len + args.completion_len
+    flops = flops_per_token(model, config, seq_len) * tokens
+    print(f"shape {shape} ({n_params / 1e6:.1f}M parameters), device {args.device}, "
+          f"batch {len(sequences)} sequences × {seq_len} tokens = {tokens} tokens, "
+          f"{len(plan)} micro-batches of ≤ {args.max_tokens_per_micro_batch} tokens, "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.repeats} timed steps", flush=True)
+    header = "| path | s/step | tokens/s | × bare |" + (" MFU |" if cuda else "") + " peak GiB |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1), flush=True)
+
+    def timed(step) -> tuple[float, float | None]:
+        step()  # warm-up (allocations, kernels, compilation)
+        sync(args.device)
+        reset_peak(cuda)
+        start = time.perf_counter()
+        for _ in range(args.repeats):
+            step()
+        sync(args.device)
+        return (time.perf_counter() - start) / args.repeats, peak_gib(cuda)
+
+    bare_s = None
+    for name in paths:
+        label, options = PATHS[name]
+        copy_ = copy.deepcopy(model)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        try:
+            if options is None:
+                bare_model = copy_.to(args.device)
+                bare_model.train()
+                bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6, weight_decay=0.0)
+                seconds, peak = timed(lambda: bare_step(bare_model, bare_optimizer, sequences, plan, args.device,
+                                                        autocast_dtype))
+                del bare_model, bare_optimizer
+            else:
+                trainer = PolicyTrainer(TrainConfig(model="<benchmark>", learning_rate=1e-6, device=args.device,
+                                                    max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+                                                    **options), model=copy_)
+                seconds, peak = timed(lambda: trainer.update_sequences(sequences))
+                del trainer
+        except Exception as exc:  # noqa: BLE001 - one path failing must not hide the others
+            print(f"| {label} | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]} |", flush=True)
+            continue
+        finally:
+            del copy_
+        if name == "bare":
+            bare_s = seconds
+        row = f"| {label} | {seconds:.3f} | {tokens / seconds:,.0f} | " + \
+              (f"{bare_s / seconds:.2f} |" if bare_s else "– |")
+        if cuda:
+            row += f" {flops / seconds / (args.peak_tflops * 1e12):.1%} |"
+        row += f" {peak:.1f} |" if peak is not None else " – |"
+        print(row, flush=True)
+    print(flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: small on CPU, 0.5b on CUDA")
+    parser.add_argument("--shape", default=None, help=f"comma-separated, of {sorted(SHAPES)}; "
+                        "default: small on CPU, 0.5b on CUDA")
+    parser.add_argument("--paths", default=None, help=f"comma-separated, of {list(PATHS)}; "
+                        "default: bare,old,new,new-noent (and new-compile on CUDA)")
     parser.add_argument("--groups", type=int, default=None)
     parser.add_argument("--group-size", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=None)
@@ -117,60 +238,13 @@ def main() -> None:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-
-    import torch
-
-    from sptool.train.step import PolicyTrainer, TrainConfig, plan_micro_batches
-
-    model, config = build_model(args.shape, args.seed)
-    bare_model = copy.deepcopy(model).to(args.device)
-    sequences = make_batch(args, config.vocab_size)
-    plan = plan_micro_batches([s.length for s in sequences], args.max_tokens_per_micro_batch)
-    tokens = sum(s.length for s in sequences)
-    n_params = sum(p.numel() for p in model.parameters())
-    autocast_dtype = torch.bfloat16 if cuda else None
-
-    bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6, weight_decay=0.0)
-    trainer = PolicyTrainer(TrainConfig(model="<benchmark>", learning_rate=1e-6, device=args.device,
-                                        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch),
-                            model=model)
-
-    def timed(step) -> float:
-        step()  # warm-up (allocations, kernels)
-        sync(args.device)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        for _ in range(args.repeats):
-            step()
-        sync(args.device)
-        return (time.perf_counter() - start) / args.repeats
-
-    bare_model.train()
-    bare_s = timed(lambda: bare_step(bare_model, bare_optimizer, sequences, plan, args.device, autocast_dtype))
-    bare_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    del bare_model, bare_optimizer
-    if cuda:
-        torch.cuda.empty_cache()
-    sptool_s = timed(lambda: trainer.update_sequences(sequences))
-    sptool_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-
-    seq_len = args.prompt_len + args.completion_len
-    flops = flops_per_token(model, config, seq_len) * tokens
-    print(f"shape {args.shape} ({n_params / 1e6:.1f}M parameters), device {args.device}, "
-          f"batch {len(sequences)} sequences × {seq_len} tokens = {tokens} tokens, "
-          f"{len(plan)} micro-batches of ≤ {args.max_tokens_per_micro_batch} tokens, "
-          f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.repeats} timed steps")
-    header = "| path | s/step | tokens/s |" + (" MFU | peak GiB |" if cuda else "")
-    print(header)
-    print("|" + "---|" * (header.count("|") - 1))
-    for name, seconds, peak in (("bare torch fwd/bwd/AdamW", bare_s, bare_peak),
-                                ("sptool train-step", sptool_s, sptool_peak)):
-        row = f"| {name} | {seconds:.3f} | {tokens / seconds:,.0f} |"
-        if cuda:
-            row += f" {flops / seconds / (args.peak_tflops * 1e12):.1%} | {peak:.1f} |"
-        print(row)
-    print(f"ratio sptool / bare tokens/s: {bare_s / sptool_s:.2f}")
+    paths = (args.paths or ("bare,old,new,new-noent,new-compile" if cuda else "bare,old,new,new-noent")).split(",")
+    shapes = args.shape.split(",")
+    for name in paths + shapes:
+        if name not in PATHS and name not in SHAPES:
+            parser.error(f"unknown path or shape '{name}'")
+    for shape in shapes:
+        run_shape(args, shape, paths)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def make_trainer(model_dir, **options):
     return PolicyTrainer(TrainConfig(model=model_dir, **options))
 
 
-def sequence_logprob(trainer, prompt_messages, completion: str) -> float:
+def sequence_logprob(trainer, prompt_messages, completion: str, temperature: float = 1.0) -> float:
     """log π(completion | prompt) under the trainer's current policy (EOS appended)."""
     from sptool.models.hf import render_prompt
 
@@ -84,7 +84,7 @@ def sequence_logprob(trainer, prompt_messages, completion: str) -> float:
     ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     input_ids = torch.tensor([prompt_ids + ids])
     with torch.no_grad():
-        logits = trainer.model(input_ids=input_ids).logits[0, len(prompt_ids) - 1:-1].float()
+        logits = trainer.model(input_ids=input_ids).logits[0, len(prompt_ids) - 1:-1].float() / temperature
     return float(torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).sum())
 
 
@@ -180,6 +180,144 @@ def test_micro_batch_plan_respects_token_budget():
     for batch in plan:
         assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) <= 16
     assert plan[0] == [5]  # longer than the budget: alone
+
+
+# ------------------------------------------------------------------------------ chunked log-probs
+
+
+def _full_softmax(hidden, weight, bias, targets, temperature=1.0):
+    logits = (hidden.double() @ weight.double().t() + (bias.double() if bias is not None else 0.0)) / temperature
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_equal_full_softmax(temperature):
+    """Token-chunked log-probs (and entropies) equal log_softmax over the full logits: tight in
+    float32, within bf16 rounding of the logits when the head runs in bf16."""
+    from sptool.train.logprobs import chunked_selected_logprobs
+
+    generator = torch.Generator().manual_seed(3)
+    rows, width, vocab = 53, 24, 3001
+    hidden = torch.randn(rows, width, generator=generator)
+    weight = torch.randn(vocab, width, generator=generator) / width ** 0.5 * 3
+    bias = torch.randn(vocab, generator=generator) * 0.1
+    targets = torch.randint(0, vocab, (rows,), generator=generator)
+    expected, expected_entropy = _full_softmax(hidden, weight, bias, targets, temperature)
+    for chunk_rows in (1, 7, 53, 1000):
+        got, entropy = chunked_selected_logprobs(hidden, weight, bias, targets, temperature=temperature,
+                                                 chunk_rows=chunk_rows, entropy=True)
+        assert got.dtype == torch.float32 and got.shape == (rows,)
+        assert float((got.double() - expected).abs().max()) < 2e-5
+        assert float((entropy.double() - expected_entropy).abs().max()) < 2e-5
+    bf16, _ = chunked_selected_logprobs(hidden, weight, bias, targets, temperature=temperature, chunk_rows=16,
+                                        compute_dtype=torch.bfloat16)
+    # the previous path under bf16 autocast: full bf16 logits, float32 log-softmax over them
+    logits = (hidden.bfloat16() @ weight.bfloat16().t() + bias.bfloat16()).float() / temperature
+    full_bf16 = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+    assert float((bf16 - full_bf16).abs().max()) < 1e-3
+    # against the exact values: within the rounding of logits to bf16 (8 significant bits)
+    bound = 2 * 2.0 ** -8 * float(logits.abs().max())
+    error = (bf16.double() - expected).abs()
+    assert 1e-5 < float(error.max()) < bound
+
+
+def test_fused_policy_loss_value_and_gradients_equal_autograd_over_full_logits():
+    """The fused chunk loop (loss and ∂/∂hidden, ∂/∂W, ∂/∂b computed chunk by chunk in the forward
+    pass) equals autograd through full logits → log_softmax → objective_loss, in float32."""
+    from sptool.train.logprobs import fused_policy_loss
+
+    generator = torch.Generator().manual_seed(5)
+    rows, width, vocab, temperature = 29, 16, 997, 0.8
+    hidden = torch.randn(rows, width, generator=generator, requires_grad=True)
+    weight = (torch.randn(vocab, width, generator=generator) / 2).requires_grad_()
+    bias = (torch.randn(vocab, generator=generator) * 0.1).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), generator=generator)
+    advantages = torch.randn(rows, generator=generator)
+    token_weights = torch.rand(rows, generator=generator) / rows
+    old = torch.log(torch.rand(rows, generator=generator)) - 6
+    ref = torch.log(torch.rand(rows, generator=generator)) - 6
+    options = dict(clip_low=0.2, clip_high=0.28, beta=0.05)
+
+    logits = (hidden @ weight.t() + bias) / temperature
+    full = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+    expected, *_ = losses.objective_loss(full, old, ref, advantages, token_weights, **options)
+    expected_grads = torch.autograd.grad(2.5 * expected, (hidden, weight, bias))
+
+    def token_loss(logprobs, start, end):
+        loss, _, kl, clipped = losses.objective_loss(logprobs, old[start:end], ref[start:end],
+                                                     advantages[start:end], token_weights[start:end], **options)
+        return loss, torch.stack([clipped.sum().double(), kl.sum().double()])
+
+    loss, logprobs, entropy, stats = fused_policy_loss(hidden, weight, bias, targets, token_loss,
+                                                       temperature=temperature, chunk_rows=6, entropy=True)
+    grads = torch.autograd.grad(2.5 * loss, (hidden, weight, bias))
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
+    assert float((logprobs - full.detach()).abs().max()) < 1e-5
+    assert float(stats[0]) > 0  # some tokens clipped: the comparison covers the clipped branch
+    for got, want in zip(grads, expected_grads):
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    expected_entropy = -(torch.log_softmax(logits, -1).exp() * torch.log_softmax(logits, -1)).sum(-1)
+    assert float((entropy - expected_entropy.detach()).abs().max()) < 1e-4
+
+
+def test_trainer_chunked_path_equals_full_logits_path(random_model_dir):
+    """One update through the default (chunked) path and through --full-logits: same metrics,
+    same new weights (float32, CPU), with a KL reference, a temperature and off-policy log-probs;
+    the trainer's behaviour log-probs equal a full-softmax forward."""
+    prompt = GROUPS[0]["prompt"]
+    # Adam with ε = 1 moves each weight by ≈ lr·g: the weights compare the gradients (with the
+    # default ε a weight with a 1e-12 gradient moves by ±lr, its sign set by rounding)
+    trainers = [make_trainer(random_model_dir, learning_rate=1.0, adam_epsilon=1.0, beta=0.1, temperature=0.9,
+                             loss="dapo", max_tokens_per_micro_batch=40, full_logits=full,
+                             logit_chunk_elements=20_000) for full in (True, False)]
+    start = [p.detach().clone() for p in trainers[0].model.parameters()]
+    assert trainers[0].head is None and trainers[1].head is not None
+    sequences = trainers[1].encode_group(GROUPS[0])
+    behaviour = trainers[1].logprobs(sequences)
+    full = trainers[0].logprobs(sequences)
+    assert [len(row) for row in behaviour] == [len(seq.completion_ids) for seq in sequences]
+    assert sum(behaviour, []) == pytest.approx(sum(full, []), abs=1e-5)
+    assert [sum(row) for row in behaviour] == pytest.approx(
+        [sequence_logprob(trainers[1], prompt, text, 0.9) for text in GROUPS[0]["completions"]], abs=1e-4)
+    shifted = [[x - 0.5 for x in row] for row in behaviour]
+    metrics = [t.update([{**GROUPS[0], "old_logprobs": shifted}, GROUPS[1]]) for t in trainers]
+    for key in ("loss", "grad_norm", "clip_fraction", "ratio_mean", "entropy"):
+        assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-5, abs=1e-7), key
+    assert metrics[1]["kl"] == pytest.approx(0.0, abs=1e-6) and metrics[1]["clip_fraction"] > 0
+    assert metrics[1]["completion_tokens"] == metrics[0]["completion_tokens"]
+    second = [t.update(GROUPS[:2]) for t in trainers]
+    assert second[1]["kl"] == pytest.approx(second[0]["kl"], rel=1e-4) and second[1]["kl"] > 0
+    moved = max(float((a.detach() - b).abs().max()) for a, b in zip(trainers[0].model.parameters(), start))
+    diff = max(float((a - b).detach().abs().max())
+               for a, b in zip(trainers[0].model.parameters(), trainers[1].model.parameters()))
+    assert moved > 1e-3 and diff < 5e-5 * moved, (moved, diff)  # float32 rounding: ≈ 7e-6
+
+
+@pytest.mark.parametrize("loss, budget, expected", [
+    ("dr_grpo", 16, 1.5 / (2 * 16)),   # Liu et al.: Σ_i Σ_t −A_i / (N · budget)
+    ("dr_grpo", None, 1.5 / (2 * 5)),  # no budget given: the longest completion (5) stands in
+    ("dapo", 16, 1.5 / 7),             # token mean: Σ_i Σ_t −A_i / Σ_i |y_i|, budget ignored
+    ("grpo", 16, 0.0),                 # (1/N) Σ_i (1/|y_i|) Σ_t −A_i = (−0.5 + 0.5) / 2
+])
+def test_dr_grpo_normaliser_is_the_generation_budget(random_model_dir, loss, budget, expected):
+    """Hand-computed: completions of 2 and 5 tokens with advantages +0.5 and −0.5, ratio 1, so each
+    token's loss is −A_i; the loss is Σ_i |y_i| (−A_i) w_i = (−0.5·2 + 0.5·5) w = 1.5 w for a
+    constant weight."""
+    from sptool.train.step import TrainSequence
+
+    trainer = make_trainer(random_model_dir, loss=loss, max_completion_tokens=budget)
+    prompt = [11, 12, 13]
+    sequences = [TrainSequence(prompt, [21, 22], 0.5), TrainSequence(prompt, [31, 32, 33, 34, 35], -0.5)]
+    metrics = trainer.update_sequences(sequences)
+    assert metrics["loss"] == pytest.approx(expected, abs=1e-7)
+    assert metrics["completion_tokens"] == 7
+
+
+def test_train_step_help_lists_the_speed_and_normaliser_options(sptool):
+    result = sptool("train-step", "--help", env={"COLUMNS": "200"})
+    for option in ("--max-completion-tokens", "--full-logits", "--no-entropy", "--compile"):
+        assert option in result.stdout
 
 
 # ------------------------------------------------------------------------------ the update

@@ -54,9 +54,10 @@ def train_step(
     max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", help="Clip the gradient norm (0: off)."),
     clip_low: Optional[float] = typer.Option(None, "--clip-low", help="ε_low (default 0.2)."),
     clip_high: Optional[float] = typer.Option(None, "--clip-high", help="ε_high (default 0.2; dapo 0.28)."),
-    normaliser_length: Optional[int] = typer.Option(
-        None, "--normaliser-length", help="Dr. GRPO constant L in N·L (e.g. the generation budget); "
-        "default: the longest completion of the batch."),
+    max_completion_tokens: Optional[int] = typer.Option(
+        None, "--max-completion-tokens", "--normaliser-length", help="The generation budget (max new tokens "
+        "per completion): Dr. GRPO's constant L in N·L (Liu et al. 2025). Without it, the longest completion "
+        "of the batch stands in. grpo and dapo keep their own normalisers."),
     recompute_advantages: bool = typer.Option(False, "--recompute-advantages", help="Ignore the groups' "
                                               "'advantages' and compute them from 'rewards' for --loss."),
     temperature: float = typer.Option(1.0, "--temperature", help="Divide logits by this (as sampling did)."),
@@ -78,6 +79,12 @@ def train_step(
                                          "(default: cuda when available; under accelerate launch, its choice)."),
     mixed_precision: Optional[str] = typer.Option(None, "--mixed-precision", help="no, bf16, fp16 "
                                                   "(default bf16 on CUDA, no on CPU)."),
+    full_logits: bool = typer.Option(False, "--full-logits", help="Compute [tokens × vocabulary] logits "
+                                     "(the previous, slower and larger path) instead of log-probs in token chunks."),
+    no_entropy: bool = typer.Option(False, "--no-entropy", help="Skip the entropy metric (one pass less over "
+                                    "each logit chunk)."),
+    compile_model: bool = typer.Option(False, "--compile", help="torch.compile the decoder layers (and, on CUDA, "
+                                       "the log-prob kernels); the first update pays the compile time."),
     metrics_path: Optional[str] = typer.Option(None, "--metrics", help="Append one JSON line of metrics per update."),
     seed: int = common.SeedOpt,
     quiet: bool = common.QuietOpt,
@@ -101,12 +108,14 @@ def train_step(
     common.check_outputs({"--rejects": rejects, "--metrics": metrics_path}, inputs=[input_path])
     config = TrainConfig(
         model=model, loss=loss, beta=beta, learning_rate=learning_rate, weight_decay=weight_decay,
-        max_grad_norm=max_grad_norm, clip_low=clip_low, clip_high=clip_high, normaliser_length=normaliser_length,
+        max_grad_norm=max_grad_norm, clip_low=clip_low, clip_high=clip_high,
+        max_completion_tokens=max_completion_tokens,
         recompute_advantages=recompute_advantages,
         temperature=temperature, max_tokens_per_micro_batch=max_tokens_per_micro_batch, roles=_split_list(roles),
         lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
         lora_target_modules=_split_list(lora_target_modules) or ["all-linear"], ref_model=ref_model,
-        chat_template=not no_chat_template, device=device, mixed_precision=mixed_precision, seed=seed)
+        chat_template=not no_chat_template, device=device, mixed_precision=mixed_precision, seed=seed,
+        full_logits=full_logits, entropy=not no_entropy, compile=compile_model)
     common.waiting_for_stdin_hint(input_path, quiet)
     started = time.monotonic()
     counts = {"read": 0, "invalid": 0, "skipped_role": 0}

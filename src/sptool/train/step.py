@@ -32,6 +32,10 @@ from sptool.train import checkpoint as ckpt
 from sptool.train.losses import (OBJECTIVES, group_advantages, objective_loss, selected_logprobs,
                                  sequence_token_weights, token_entropy)
 
+# Config attributes of models whose logits are not simply ``lm_head(hidden)`` (soft-capping,
+# scaling): those keep the full-logits path.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
 # ---------------------------------------------------------------------------------------------
 # Input records
 
@@ -141,7 +145,9 @@ class TrainConfig:
     clip_high: float | None = None
     advantage_epsilon: float = 1e-6
     recompute_advantages: bool = False  # ignore the groups' stored advantages
-    normaliser_length: int | None = None  # Dr. GRPO constant; default: longest completion in batch
+    # The generation budget (max new tokens per completion): Dr. GRPO's normalising constant L in
+    # N·L (Liu et al. 2025); without it, the longest completion of the batch stands in.
+    max_completion_tokens: int | None = None
     temperature: float = 1.0
     max_tokens_per_micro_batch: int = 4096
     roles: list[str] | None = None
@@ -154,6 +160,10 @@ class TrainConfig:
     device: str | None = None
     mixed_precision: str | None = None  # "no", "bf16", "fp16"; default bf16 on CUDA, no on CPU
     seed: int = 0
+    full_logits: bool = False           # the previous path: [tokens × vocabulary] logits (slower, larger)
+    entropy: bool = True                # report the policy's entropy (one more pass over each logit chunk)
+    compile: bool = False               # torch.compile each decoder layer (regional) and the chunk kernels
+    logit_chunk_elements: int | None = None  # rows × vocabulary per logit chunk; default by device
 
     def __post_init__(self) -> None:
         objective = OBJECTIVES.get(self.loss)
@@ -169,7 +179,8 @@ class TrainConfig:
             (self.temperature > 0, f"--temperature must be > 0, got {self.temperature}"),
             (self.max_tokens_per_micro_batch >= 1, "--max-tokens-per-micro-batch must be >= 1"),
             (self.lora_r >= 0, f"--lora-r must be >= 0, got {self.lora_r}"),
-            (self.normaliser_length is None or self.normaliser_length > 0, "--normaliser-length must be > 0"),
+            (self.max_completion_tokens is None or self.max_completion_tokens > 0,
+             f"--max-completion-tokens must be > 0, got {self.max_completion_tokens}"),
             (self.weight_decay >= 0, "--weight-decay must be >= 0"),
         ]
         for ok, message in checks:
@@ -215,6 +226,35 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     if current:
         batches.append(current)
     return batches
+
+
+def _identity(hidden):
+    return hidden
+
+
+@contextlib.contextmanager
+def _bypassed(head):
+    """Inside, ``head`` returns its input: the model's ``.logits`` are its last hidden states."""
+    head.forward = _identity
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _compile_decoder_layers(model, log: Callable[[str], None]) -> None:
+    """``torch.compile`` each decoder layer in place (regional compilation: the layers share one
+    compiled graph, so compiling costs one layer's time; module names and checkpoints unchanged)."""
+    layers = None
+    for module in model.modules():
+        if module.__class__.__name__.endswith("DecoderLayer"):
+            layers = layers or []
+            layers.append(module)
+    if not layers:
+        log("note: --compile found no decoder layers to compile; running eagerly")
+        return
+    for layer in layers:
+        layer.compile()
 
 
 def peak_memory_mb(device) -> float:
@@ -275,7 +315,15 @@ class PolicyTrainer:
                                       eps=config.adam_epsilon, weight_decay=config.weight_decay)
         self._restore_optimizer(optimizer, len(params))
         self.params = params
+        self.warned_normaliser = False
+        self.kernels_compiled = bool(config.compile) and self.device.type == "cuda"
+        if config.compile:
+            _compile_decoder_layers(model, log=self.log)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.head = None if config.full_logits else self._bypassable_head(model)
+        self.ref_head = self._bypassable_head(self.ref_model) if self.head is not None and self.ref_model is not None \
+            else None
+        self.compute_dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else None
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -375,6 +423,23 @@ class PolicyTrainer:
             return int(self.tokenizer.pad_token_id)
         return int(getattr(model.config, "pad_token_id", None) or 0)
 
+    def _bypassable_head(self, model):
+        """The model's output layer when the chunked log-prob path applies to it (a plain
+        ``nn.Linear`` head whose output is the logits, no FSDP/DeepSpeed sharding), else None."""
+        torch = self.torch
+        distributed = str(getattr(self.accelerator, "distributed_type", ""))
+        if any(name in distributed for name in ("FSDP", "DEEPSPEED", "MEGATRON", "XLA")):
+            return None
+        try:
+            head = model.get_output_embeddings()
+        except (AttributeError, NotImplementedError):
+            return None
+        config = getattr(model, "config", None)
+        if type(head) is not torch.nn.Linear or "forward" in vars(head) or hasattr(head, "_hf_hook") \
+                or any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
+            return None
+        return head
+
     def eos_id(self) -> int | None:
         return self.tokenizer.eos_token_id if self.tokenizer is not None else None
 
@@ -447,7 +512,12 @@ class PolicyTrainer:
         start = time.perf_counter()
         world, rank = accelerator.num_processes, accelerator.process_index
         lengths = [len(seq.completion_ids) for seq in sequences]
-        weights = sequence_token_weights(lengths, config.objective.aggregation, config.normaliser_length)
+        if config.objective.aggregation == "global_constant" and config.max_completion_tokens is None \
+                and not self.warned_normaliser and sequences:
+            self.warned_normaliser = True
+            self.log(f"note: --loss {config.loss} normalises by N·L with L the generation budget; without "
+                     f"--max-completion-tokens the longest completion of each batch stands in ({max(lengths)})")
+        weights = sequence_token_weights(lengths, config.objective.aggregation, config.max_completion_tokens)
         nothing_to_learn = not sequences or (config.beta == 0 and all(seq.advantage == 0 for seq in sequences))
         # sums over this rank: loss, clipped tokens, kl, entropy, ratio, completion tokens, all tokens
         totals = torch.zeros(7, dtype=torch.float64, device=self.device)
@@ -492,6 +562,83 @@ class PolicyTrainer:
                              all_tokens, seconds, grad_norm, n_micro, nothing_to_learn)
 
     def _micro_batch_loss(self, batch: Sequence[TrainSequence], weights: Sequence[float]):
+        """Loss of one micro-batch (a tensor to backpropagate) and its 7 summed statistics.
+
+        Rows are right-padded, so causal attention never lets a real token see a pad: no
+        attention mask is needed, and SDPA runs its causal (flash) kernel. The model returns its
+        last hidden states (the head is bypassed); the head is applied in token chunks by
+        :func:`sptool.train.logprobs.fused_policy_loss`, which never holds all logits at once."""
+        if self.head is None:
+            return self._micro_batch_loss_full(batch, weights)
+        from sptool.train.logprobs import fused_policy_loss
+
+        torch = self.torch
+        config = self.config
+        device = self.device
+        input_ids, completion, token_values = self._pack(batch, weights)
+        targets_mask = completion[:, 1:]  # hidden state at position t predicts token t + 1
+        targets = input_ids[:, 1:][targets_mask]
+        with _bypassed(self.head):
+            hidden = self.model(input_ids=input_ids, use_cache=False).logits
+        hidden = hidden[:, :-1][targets_mask]
+        ref = self._reference_logprobs(input_ids, None, targets_mask, targets) if config.beta > 0 else None
+        advantages, token_weights, old_values, has_old = token_values
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+
+        def token_loss(logprobs, start: int, end: int):
+            old = torch.where(has_old[start:end], old_values[start:end], logprobs.detach())
+            loss, _, kl, clipped = objective_loss(
+                logprobs, old, ref[start:end] if ref is not None else None, advantages[start:end],
+                token_weights[start:end], clip_low=config.clip_low, clip_high=config.clip_high, beta=config.beta)
+            with torch.no_grad():
+                stats = torch.stack([clipped.sum().double(), kl.sum().double() if kl is not None else zero,
+                                     torch.exp(logprobs.detach() - old).sum().double()])
+            return loss, stats
+
+        loss, _, entropy, stats = fused_policy_loss(
+            hidden, self.head.weight, self.head.bias, targets, token_loss, temperature=config.temperature,
+            chunk_rows=self._chunk_rows(), compute_dtype=self.compute_dtype, entropy=config.entropy,
+            compiled=self.kernels_compiled)
+        if stats is None:  # no completion tokens in this micro-batch
+            stats = torch.zeros(3, dtype=torch.float64, device=device)
+        totals = torch.stack([
+            loss.detach().double(), stats[0], stats[1],
+            entropy.sum().double() if entropy is not None else zero, stats[2],
+            torch.tensor(float(targets.numel()), dtype=torch.float64, device=device),
+            torch.tensor(float(sum(seq.length for seq in batch)), dtype=torch.float64, device=device),
+        ])
+        return loss, totals
+
+    def _chunk_rows(self) -> int:
+        from sptool.train.logprobs import chunk_rows_for
+
+        return chunk_rows_for(self.head.weight.shape[0], self.device.type, self.config.logit_chunk_elements)
+
+    def _pack(self, batch: Sequence[TrainSequence], weights: Sequence[float]):
+        """Right-padded ``input_ids``, the completion mask, and per-completion-token tensors
+        (advantage, weight, old log-prob, has-old) on the device."""
+        torch = self.torch
+        rows, width = len(batch), max(seq.length for seq in batch)
+        input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        completion = torch.zeros((rows, width), dtype=torch.bool)
+        advantages, token_weights, old_values, has_old = [], [], [], []
+        for row, seq in enumerate(batch):
+            ids = seq.prompt_ids + seq.completion_ids
+            input_ids[row, :len(ids)] = torch.tensor(ids)
+            completion[row, len(seq.prompt_ids):len(ids)] = True
+            n = len(seq.completion_ids)
+            advantages += [seq.advantage] * n
+            token_weights += [weights[row]] * n
+            old_values += seq.old_logprobs if seq.old_logprobs is not None else [0.0] * n
+            has_old += [seq.old_logprobs is not None] * n
+        device = self.device
+        as_tensor = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
+        values = (as_tensor(advantages), as_tensor(token_weights), as_tensor(old_values), as_tensor(has_old, torch.bool))
+        return input_ids.to(device), completion.to(device), values
+
+    def _micro_batch_loss_full(self, batch: Sequence[TrainSequence], weights: Sequence[float]):
+        """The previous path (``full_logits``): the model's ``[rows, width, vocabulary]`` logits,
+        the completion rows gathered and cast to float32, log-softmax and entropy over them."""
         torch = self.torch
         config = self.config
         rows, width = len(batch), max(seq.length for seq in batch)
@@ -539,6 +686,23 @@ class PolicyTrainer:
 
     def _reference_logprobs(self, input_ids, attention, targets_mask, targets):
         torch = self.torch
+        if self.head is not None and (self.is_lora or self.ref_head is not None):
+            from sptool.train.logprobs import chunked_selected_logprobs
+
+            with torch.no_grad():
+                if self.is_lora:
+                    policy, head = self.accelerator.unwrap_model(self.model), self.head
+                    with policy.disable_adapter(), _bypassed(head):
+                        hidden = policy(input_ids=input_ids, use_cache=False).logits
+                else:
+                    head = self.ref_head
+                    with self.accelerator.autocast(), _bypassed(head):
+                        hidden = self.ref_model(input_ids=input_ids, use_cache=False).logits
+                logprobs, _ = chunked_selected_logprobs(
+                    hidden[:, :-1][targets_mask], head.weight, head.bias, targets,
+                    temperature=self.config.temperature, chunk_rows=self._chunk_rows(),
+                    compute_dtype=self.compute_dtype, compiled=self.kernels_compiled)
+                return logprobs
         with torch.no_grad():
             if self.is_lora:
                 policy = self.accelerator.unwrap_model(self.model)
@@ -551,6 +715,44 @@ class PolicyTrainer:
             if self.config.temperature != 1.0:
                 selected = selected / self.config.temperature
             return selected_logprobs(selected, targets)
+
+    def logprobs(self, sequences: Sequence[TrainSequence]) -> list[list[float]]:
+        """Per-token log-probs of each sequence's completion under the current policy (no
+        gradient; e.g. behaviour log-probs for a sampler that did not record them), through the
+        same chunked path as the update (the full-logits path with ``full_logits``)."""
+        torch = self.torch
+        config = self.config
+        out: list[list[float]] = [[] for _ in sequences]
+        plan = plan_micro_batches([seq.length for seq in sequences], config.max_tokens_per_micro_batch)
+        training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for micro in plan:
+                    batch = [sequences[i] for i in micro]
+                    input_ids, completion, _ = self._pack(batch, [0.0] * len(batch))
+                    targets_mask = completion[:, 1:]
+                    targets = input_ids[:, 1:][targets_mask]
+                    if self.head is not None:
+                        from sptool.train.logprobs import chunked_selected_logprobs
+
+                        with _bypassed(self.head):
+                            hidden = self.model(input_ids=input_ids, use_cache=False).logits
+                        values, _ = chunked_selected_logprobs(
+                            hidden[:, :-1][targets_mask], self.head.weight, self.head.bias, targets,
+                            temperature=config.temperature, chunk_rows=self._chunk_rows(),
+                            compute_dtype=self.compute_dtype, compiled=self.kernels_compiled)
+                    else:
+                        logits = self.model(input_ids=input_ids, use_cache=False).logits
+                        selected = logits[:, :-1][targets_mask].float() / config.temperature
+                        values = selected_logprobs(selected, targets)
+                    values = values.tolist()
+                    for i in micro:
+                        n = len(sequences[i].completion_ids)
+                        out[i], values = values[:n], values[n:]
+        finally:
+            self.model.train(training)
+        return out
 
     def _metrics(self, sequences, loss_sum, clipped, kl_sum, entropy_sum, ratio_sum, completion_tokens,
                  all_tokens, seconds, grad_norm, n_micro, skipped) -> dict:
