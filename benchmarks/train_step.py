@@ -12,7 +12,10 @@ ratio, clipping, entropy and metrics, gradient clipping, accelerate wrapping):
 
 - ``old``: ``--full-logits``, the previous computation ([tokens × vocabulary] logits, float32
   log-softmax and entropy over them, attention mask);
-- ``new``: the default (head applied in token chunks, fused loss gradient, no attention mask);
+- ``new``: the default (head applied in token chunks, fused loss gradient, no attention mask;
+  on CUDA the chunk kernels are compiled by torch.compile, their compile time falls in the
+  untimed warm-up step);
+- ``new-eager``: the default with eager chunk kernels (what CPUs run);
 - ``new-noent``: the default without the entropy metric (``--no-entropy``);
 - ``new-compile``: the default with ``--compile`` (regional torch.compile of the decoder layers,
   compiled chunk kernels); its first (untimed) step pays the compile time.
@@ -109,7 +112,8 @@ def flops_per_token(model, config, seq_len: int) -> float:
 PATHS = {
     "bare": ("bare torch fwd/bwd/AdamW", None),
     "old": ("sptool train-step, old (--full-logits)", dict(full_logits=True)),
-    "new": ("sptool train-step, new (chunked log-probs)", dict()),
+    "new": ("sptool train-step, new (default)", dict()),
+    "new-eager": ("sptool train-step, new, eager chunk kernels", dict(compile_kernels=False)),
     "new-noent": ("sptool train-step, new, --no-entropy", dict(entropy=False)),
     "new-compile": ("sptool train-step, new, --compile", dict(compile=True)),
 }
@@ -220,7 +224,7 @@ def main() -> None:
     parser.add_argument("--shape", default=None, help=f"comma-separated, of {sorted(SHAPES)}; "
                         "default: small on CPU, 0.5b on CUDA")
     parser.add_argument("--paths", default=None, help=f"comma-separated, of {list(PATHS)}; "
-                        "default: bare,old,new,new-noent (and new-compile on CUDA)")
+                        "default: bare,old,new,new-noent (and new-eager, new-compile on CUDA)")
     parser.add_argument("--groups", type=int, default=None)
     parser.add_argument("--group-size", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=None)
@@ -238,11 +242,15 @@ def main() -> None:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    paths = (args.paths or ("bare,old,new,new-noent,new-compile" if cuda else "bare,old,new,new-noent")).split(",")
+    paths = (args.paths or ("bare,old,new,new-eager,new-noent,new-compile" if cuda else "bare,old,new,new-noent")
+             ).split(",")
     shapes = args.shape.split(",")
-    for name in paths + shapes:
-        if name not in PATHS and name not in SHAPES:
-            parser.error(f"unknown path or shape '{name}'")
+    for name in paths:
+        if name not in PATHS:
+            parser.error(f"unknown path '{name}' (known: {', '.join(PATHS)})")
+    for name in shapes:
+        if name not in SHAPES:
+            parser.error(f"unknown shape '{name}' (known: {', '.join(SHAPES)})")
     for shape in shapes:
         run_shape(args, shape, paths)
 

@@ -5,7 +5,7 @@ Three objectives share one token-level form and differ in three knobs (:data:`OB
 =========  ===========================  ==========================  =================
 objective  advantage of completion i    token-sum normalisation     clip (low, high)
 =========  ===========================  ==========================  =================
-dr_grpo    r_i − mean(r)                global constant N · L_max   (0.2, 0.2)
+dr_grpo    r_i − mean(r)                global constant N · L       (0.2, 0.2)
 grpo       (r_i − mean(r)) / (std + ε)  per sequence, 1/(N·|y_i|)   (0.2, 0.2)
 dapo       (r_i − mean(r)) / (std + ε)  token-level, 1/Σ_j |y_j|    (0.2, 0.28)
 =========  ===========================  ==========================  =================
@@ -60,10 +60,11 @@ def sequence_token_weights(lengths: Sequence[int], aggregation: str,
 
     - ``sequence_mean`` (GRPO, SvS eq. 2): ``L = (1/N) Σ_i (1/|y_i|) Σ_t ℓ_{i,t}`` → ``w_i = 1/(N |y_i|)``
     - ``token_mean`` (DAPO): ``L = Σ_i Σ_t ℓ_{i,t} / Σ_i |y_i|`` → ``w_i = 1/Σ_j |y_j|``
-    - ``global_constant`` (Dr. GRPO): ``L = Σ_i Σ_t ℓ_{i,t} / (N · L_max)`` → ``w_i = 1/(N L_max)``,
-      ``L_max`` = ``normaliser_length`` (e.g. the generation budget) or the longest completion of
-      the batch. The constant does not depend on each sequence's length, which removes GRPO's
-      length bias.
+    - ``global_constant`` (Dr. GRPO): loss ``Σ_i Σ_t ℓ_{i,t} / (N · L)`` → ``w_i = 1/(N L)`` with
+      ``L`` = ``normaliser_length``, the generation budget (Liu et al. 2025, Dr. GRPO: the constant
+      is the maximum completion length the sampler allows, ``MAX_TOKENS``); when it is not known,
+      the longest completion of the batch stands in. The constant does not depend on each
+      sequence's length, which removes GRPO's length bias.
 
     ``N`` is the number of completions in the whole batch (all micro-batches, all ranks).
     Zero-length completions get weight 0.

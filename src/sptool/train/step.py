@@ -162,7 +162,8 @@ class TrainConfig:
     seed: int = 0
     full_logits: bool = False           # the previous path: [tokens × vocabulary] logits (slower, larger)
     entropy: bool = True                # report the policy's entropy (one more pass over each logit chunk)
-    compile: bool = False               # torch.compile each decoder layer (regional) and the chunk kernels
+    compile: bool = False               # torch.compile each decoder layer (regional compilation)
+    compile_kernels: bool | None = None  # torch.compile the log-prob chunk kernels; default: on CUDA
     logit_chunk_elements: int | None = None  # rows × vocabulary per logit chunk; default by device
 
     def __post_init__(self) -> None:
@@ -316,7 +317,8 @@ class PolicyTrainer:
         self._restore_optimizer(optimizer, len(params))
         self.params = params
         self.warned_normaliser = False
-        self.kernels_compiled = bool(config.compile) and self.device.type == "cuda"
+        compile_kernels = True if config.compile_kernels is None else config.compile_kernels
+        self.kernels_compiled = bool(compile_kernels) and self.device.type == "cuda"
         if config.compile:
             _compile_decoder_layers(model, log=self.log)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
@@ -575,13 +577,11 @@ class PolicyTrainer:
         torch = self.torch
         config = self.config
         device = self.device
-        input_ids, completion, token_values = self._pack(batch, weights)
-        targets_mask = completion[:, 1:]  # hidden state at position t predicts token t + 1
-        targets = input_ids[:, 1:][targets_mask]
+        input_ids, positions, targets, token_values = self._pack(batch, weights)
         with _bypassed(self.head):
             hidden = self.model(input_ids=input_ids, use_cache=False).logits
-        hidden = hidden[:, :-1][targets_mask]
-        ref = self._reference_logprobs(input_ids, None, targets_mask, targets) if config.beta > 0 else None
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+        ref = self._reference_logprobs(input_ids, None, None, targets, positions) if config.beta > 0 else None
         advantages, token_weights, old_values, has_old = token_values
         zero = torch.zeros((), dtype=torch.float64, device=device)
 
@@ -615,17 +615,21 @@ class PolicyTrainer:
         return chunk_rows_for(self.head.weight.shape[0], self.device.type, self.config.logit_chunk_elements)
 
     def _pack(self, batch: Sequence[TrainSequence], weights: Sequence[float]):
-        """Right-padded ``input_ids``, the completion mask, and per-completion-token tensors
-        (advantage, weight, old log-prob, has-old) on the device."""
+        """Right-padded ``input_ids`` ``[rows, width]``; the flat positions (row · width + t) whose
+        hidden state predicts a completion token, and those tokens; per-completion-token tensors
+        (advantage, weight, old log-prob, has-old). Built on the host, then moved: no device sync."""
         torch = self.torch
         rows, width = len(batch), max(seq.length for seq in batch)
         input_ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        completion = torch.zeros((rows, width), dtype=torch.bool)
+        positions: list[int] = []
+        targets: list[int] = []
         advantages, token_weights, old_values, has_old = [], [], [], []
         for row, seq in enumerate(batch):
             ids = seq.prompt_ids + seq.completion_ids
             input_ids[row, :len(ids)] = torch.tensor(ids)
-            completion[row, len(seq.prompt_ids):len(ids)] = True
+            start = row * width + len(seq.prompt_ids) - 1  # position t predicts token t + 1
+            positions += range(start, start + len(seq.completion_ids))
+            targets += seq.completion_ids
             n = len(seq.completion_ids)
             advantages += [seq.advantage] * n
             token_weights += [weights[row]] * n
@@ -634,7 +638,7 @@ class PolicyTrainer:
         device = self.device
         as_tensor = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
         values = (as_tensor(advantages), as_tensor(token_weights), as_tensor(old_values), as_tensor(has_old, torch.bool))
-        return input_ids.to(device), completion.to(device), values
+        return (input_ids.to(device), as_tensor(positions, torch.long), as_tensor(targets, torch.long), values)
 
     def _micro_batch_loss_full(self, batch: Sequence[TrainSequence], weights: Sequence[float]):
         """The previous path (``full_logits``): the model's ``[rows, width, vocabulary]`` logits,
@@ -684,9 +688,12 @@ class PolicyTrainer:
             ])
         return loss, stats
 
-    def _reference_logprobs(self, input_ids, attention, targets_mask, targets):
+    def _reference_logprobs(self, input_ids, attention, targets_mask, targets, positions=None):
+        """log π_ref of the targets: from the hidden states at ``positions`` through the chunked
+        path (no attention mask: right padding) when given and the head allows, else from full
+        logits at ``targets_mask``."""
         torch = self.torch
-        if self.head is not None and (self.is_lora or self.ref_head is not None):
+        if positions is not None and (self.is_lora or self.ref_head is not None):
             from sptool.train.logprobs import chunked_selected_logprobs
 
             with torch.no_grad():
@@ -699,7 +706,7 @@ class PolicyTrainer:
                     with self.accelerator.autocast(), _bypassed(head):
                         hidden = self.ref_model(input_ids=input_ids, use_cache=False).logits
                 logprobs, _ = chunked_selected_logprobs(
-                    hidden[:, :-1][targets_mask], head.weight, head.bias, targets,
+                    hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions), head.weight, head.bias, targets,
                     temperature=self.config.temperature, chunk_rows=self._chunk_rows(),
                     compute_dtype=self.compute_dtype, compiled=self.kernels_compiled)
                 return logprobs
@@ -730,21 +737,21 @@ class PolicyTrainer:
             with torch.no_grad():
                 for micro in plan:
                     batch = [sequences[i] for i in micro]
-                    input_ids, completion, _ = self._pack(batch, [0.0] * len(batch))
-                    targets_mask = completion[:, 1:]
-                    targets = input_ids[:, 1:][targets_mask]
+                    input_ids, positions, targets, _ = self._pack(batch, [0.0] * len(batch))
                     if self.head is not None:
                         from sptool.train.logprobs import chunked_selected_logprobs
 
                         with _bypassed(self.head):
                             hidden = self.model(input_ids=input_ids, use_cache=False).logits
                         values, _ = chunked_selected_logprobs(
-                            hidden[:, :-1][targets_mask], self.head.weight, self.head.bias, targets,
+                            hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions), self.head.weight,
+                            self.head.bias, targets,
                             temperature=config.temperature, chunk_rows=self._chunk_rows(),
                             compute_dtype=self.compute_dtype, compiled=self.kernels_compiled)
                     else:
                         logits = self.model(input_ids=input_ids, use_cache=False).logits
-                        selected = logits[:, :-1][targets_mask].float() / config.temperature
+                        selected = logits.reshape(-1, logits.shape[-1]).index_select(0, positions).float() \
+                            / config.temperature
                         values = selected_logprobs(selected, targets)
                     values = values.tolist()
                     for i in micro:
