@@ -145,6 +145,8 @@ def test_fallback_answers_are_marked_unboxed_and_require_boxed_is_strict():
     assert lenient["boxed"] == [True, False, False]
     assert lenient["correct"] == [True, True, False]
     assert lenient["majority_frac"] == pytest.approx(2 / 3)
+    restated = grade({"texts": [r"\boxed{6}. So the final answer is 6."], "gold": "6"})
+    assert restated["boxed"] == [True] and restated["correct"] == [True]
     strict = grade({"texts": texts, "gold": "6", "require_boxed": True})
     assert strict["answers"] == ["6", None, None] and strict["correct"] == [True, False, False]
 

@@ -167,7 +167,10 @@ def final_answer(text: str, *, require_boxed: bool = False) -> FinalAnswer | Non
     if not parsed:
         return None if answer is None else boxed_answer(answer)
     shown = str(parsed[-1]).strip() or str(parsed[0])
-    return FinalAnswer(shown, False, ("extracted", shown, str(parsed[0])), parsed)
+    stated = FinalAnswer(shown, False, ("extracted", shown, str(parsed[0])), parsed)
+    if answer is not None and answer != INVALID and equivalent(boxed_answer(answer), stated):
+        return boxed_answer(answer)  # "\\boxed{5}. So the final answer is 5.": boxed all the same
+    return stated
 
 
 _EQUIVALENT: dict[tuple, bool] = {}
