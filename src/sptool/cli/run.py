@@ -98,6 +98,9 @@ def run(
                                          "(eval.benchmarks; repeatable)."),
     eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Also evaluate after every N-th "
                                              "iteration (eval.every)."),
+    log_with: List[str] = typer.Option([], "--log-with", help="Also send per-iteration metrics and the report's "
+                                       "plots to tensorboard, trackio and/or wandb (repeatable or "
+                                       "comma-separated; metrics.jsonl stays the record)."),
     quiet: bool = common.QuietOpt,
 ) -> None:
     """Run a recipe's self-play loop: stages in one process, outputs and checkpoints in a run directory.
@@ -124,14 +127,22 @@ def run(
         if resume:
             raise UsageError("--resume needs --run-dir DIR")
         run_dir = f"runs/{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+    from sptool.run.trackers import TrackerLog, parse_log_with
+
+    trackers = TrackerLog(parse_log_with(log_with), run_dir, config)
     progress = RunProgress(quiet)
     log = None if quiet else (lambda message: common.err_console.print(f"  {message}", markup=False,
                                                                        style="dim", soft_wrap=True))
-    driver = RunDriver(config, run_dir, resume=resume, on_event=progress, log=log)
+    def on_event(event: dict) -> None:
+        progress(event)
+        trackers(event)
+
+    driver = RunDriver(config, run_dir, resume=resume, on_event=on_event, log=log)
     try:
         summary = driver.run()
     finally:
         progress.close()
+        trackers.close()
     if not quiet:
         common.err_console.print(f"run {recipe}: {summary['iterations']} iterations, "
                                  f"{summary['stages_run']} stages run, {summary['stages_resumed']} "
