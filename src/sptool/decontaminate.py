@@ -82,13 +82,13 @@ def _longest_shared_run(a: tuple[str, ...] | list[str], b: tuple[str, ...] | lis
     return " ".join(a[match.a:match.a + match.size])
 
 
-class BenchmarkIndex:
-    """Word n-grams and MinHash LSH over the problems of one or more benchmark files."""
+class TextIndex:
+    """Word n-grams and MinHash LSH over texts added one by one (:meth:`add`), queried with
+    :meth:`match`. :class:`BenchmarkIndex` fills one from benchmark files; curriculum health
+    fills one with a run's questions to count near-duplicates."""
 
-    def __init__(self, paths: list[str], *, ngram: int = 13, min_words: int = 8,
-                 threshold: float | None = 0.7, num_perm: int = 128, shingle: int = 2):
-        if not paths:
-            raise UsageError("decontamination needs at least one --benchmark file")
+    def __init__(self, *, ngram: int = 13, min_words: int = 8, threshold: float | None = 0.7,
+                 num_perm: int = 128, shingle: int = 2):
         if ngram < 1:
             raise UsageError(f"--ngram must be at least 1, got {ngram}")
         if threshold is not None and not 0.0 < threshold <= 1.0:
@@ -101,41 +101,40 @@ class BenchmarkIndex:
         self._exact: dict[tuple[str, ...], int] = {}      # whole problems (any length) -> index
         self._lsh = None
         self._minhashes: dict[str, object] = {}
-        self._indexed = 0
         self._word_hash: dict[str, int] = {}
-        for path in paths:
-            self._read(path)
+        self._min_shingles, self._max_shingles = float("inf"), 0.0
         if threshold is not None:
-            self._build_lsh()
+            self._start_lsh()
 
     # ------------------------------------------------------------ building
 
-    def _read(self, path: str) -> None:
-        from sptool.jsonl import read_records
-
-        count = 0
-        for number, record in enumerate(read_records(path, BENCHMARK_PROBLEM), start=1):
-            problem_id = record.get("id")
-            self.problems.append(Problem(path, str(problem_id) if problem_id is not None else f"#{number}",
-                                         tuple(normalised_words(record["question"]))))
-            count += 1
-        if count == 0:
-            raise InputError("no problems in the benchmark file", source=path)
-        self._index_new_problems()
-
-    def _index_new_problems(self) -> None:
+    def add(self, source: str, problem_id: str, text: str) -> None:
+        """Index one text (its words normalised); a text without words is ignored."""
+        words = tuple(normalised_words(text))
+        if not words:
+            return
+        index = len(self.problems)
+        self.problems.append(Problem(source, problem_id, words))
         n = self.ngram
-        for index in range(self._indexed, len(self.problems)):
-            words = self.problems[index].words
-            self._exact.setdefault(words, index)
-            if len(words) >= n:
-                for position in range(len(words) - n + 1):
-                    bucket = self._grams.setdefault(hash(words[position:position + n]), [])
-                    if not bucket or bucket[-1] != index:
-                        bucket.append(index)
-            elif len(words) >= self.min_words:
-                self._short.setdefault(len(words), {}).setdefault(hash(words), []).append(index)
-        self._indexed = len(self.problems)
+        self._exact.setdefault(words, index)
+        if len(words) >= n:
+            for position in range(len(words) - n + 1):
+                bucket = self._grams.setdefault(hash(words[position:position + n]), [])
+                if not bucket or bucket[-1] != index:
+                    bucket.append(index)
+        elif len(words) >= self.min_words:
+            self._short.setdefault(len(words), {}).setdefault(hash(words), []).append(index)
+        if self._lsh is not None:
+            shingles = self._shingle_hashes(words)
+            minhash = self._new_minhash()
+            minhash.update_batch(shingles)
+            key = str(index)
+            self._minhashes[key] = minhash
+            self._lsh.insert(key, minhash, check_duplication=False)
+            # Jaccard(A, B) <= min(|A|, |B|) / max(|A|, |B|): a text with more shingles than this
+            # (or fewer than the lower bound) cannot reach the threshold with any indexed text.
+            self._max_shingles = max(self._max_shingles, len(shingles) / self.threshold)
+            self._min_shingles = min(self._min_shingles, len(shingles) * self.threshold)
 
     def _shingle_hashes(self, words: tuple[str, ...] | list[str]):
         """32-bit hashes of the distinct word ``shingle``-grams (crc32 of each word, combined: the
@@ -165,7 +164,7 @@ class BenchmarkIndex:
         return MinHash(num_perm=self.num_perm, permutations=self._permutations, scheme=self._scheme,
                        hashfunc=_identity)
 
-    def _build_lsh(self) -> None:
+    def _start_lsh(self) -> None:
         try:
             from datasketch import MinHash, MinHashLSH
         except ImportError:  # pragma: no cover - a declared dependency
@@ -177,26 +176,13 @@ class BenchmarkIndex:
         # (datasketch's even weighting: ~44%).
         self._lsh = MinHashLSH(threshold=self.threshold, num_perm=self.num_perm, weights=(0.1, 0.9))
         self._scratch = self._new_minhash()  # reused for every query (no construction per record)
-        sizes = []
-        for index, problem in enumerate(self.problems):
-            shingles = self._shingle_hashes(problem.words)
-            sizes.append(len(shingles))
-            minhash = self._new_minhash()
-            minhash.update_batch(shingles)
-            key = str(index)
-            self._minhashes[key] = minhash
-            self._lsh.insert(key, minhash, check_duplication=False)
-        # Jaccard(A, B) <= min(|A|, |B|) / max(|A|, |B|): a text with more than this many shingles
-        # (or fewer than the other bound) cannot reach the threshold with any problem.
-        self._max_shingles = max(sizes) / self.threshold
-        self._min_shingles = min(sizes) * self.threshold
 
     # ------------------------------------------------------------ matching
 
     def match(self, text: str) -> Match | None:
-        """The first benchmark problem ``text`` overlaps, or None."""
+        """The first indexed text that ``text`` overlaps, or None."""
         words = normalised_words(text)
-        if not words:
+        if not words or not self.problems:
             return None
         key = tuple(words)
         if key in self._exact:
@@ -258,6 +244,26 @@ class BenchmarkIndex:
         problem = self.problems[int(best)]
         return Match(problem.benchmark, problem.problem_id, "minhash",
                      _longest_shared_run(problem.words, words), best_similarity)
+
+
+class BenchmarkIndex(TextIndex):
+    """A :class:`TextIndex` over the problems of one or more benchmark files (JSONL ``question``,
+    optional ``id``; a bad line is a ``source:line`` error)."""
+
+    def __init__(self, paths: list[str], **options):
+        if not paths:
+            raise UsageError("decontamination needs at least one --benchmark file")
+        super().__init__(**options)
+        from sptool.jsonl import read_records
+
+        for path in paths:
+            count = 0
+            for number, record in enumerate(read_records(path, BENCHMARK_PROBLEM), start=1):
+                problem_id = record.get("id")
+                self.add(path, str(problem_id) if problem_id is not None else f"#{number}", record["question"])
+                count += 1
+            if count == 0:
+                raise InputError("no problems in the benchmark file", source=path)
 
 
 _INDEXES: dict[tuple, BenchmarkIndex] = {}
