@@ -153,3 +153,197 @@ def test_a_failure_before_commit_leaves_no_output(tmp_path):
     assert not list(tmp_path.glob(".sptool-*"))
     run_stage(Echo(), input_path=str(source), output=str(out), quiet=True, before_commit=lambda: None)
     assert read_jsonl(out) == [{"a": 1}, {"a": 2}]
+
+
+# ---------------------------------------------------------------- 2. silent corruption
+
+def wist_records() -> list[dict]:
+    return read_jsonl(FIXTURES / "verified_wist.jsonl")
+
+
+@pytest.mark.parametrize("mutate, expected", [
+    (lambda r: r["samples"][0].update(correct="false"), "field 'samples[0].correct': expected true/false, got the string \"false\""),
+    (lambda r: r.update(valid="no"), "field 'valid': expected true/false, got the string \"no\""),
+    (lambda r: r.update(p_hat=1.5), "field 'p_hat': expected a number in [0, 1], got 1.5"),
+    (lambda r: r.update(var="0.25"), "field 'var': expected a number in [0, 1] or null"),
+])
+def test_mistyped_fields_are_refused_with_source_line(tmp_path, mutate, expected):
+    """"correct": "false" used to count as correct in filter, "valid": "no" as valid (exit 0)."""
+    records = wist_records()
+    mutate(records[1])
+    path = write_jsonl(tmp_path / "v.jsonl", records)
+    result = run_sptool("filter", "--recipe", "wist", str(path), "-o", str(tmp_path / "g.jsonl"))
+    line = one_error_line(result)
+    assert f"{path}:2: {expected}" in line, line
+    assert not (tmp_path / "g.jsonl").exists()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"question": "q", "answer": NaN}', "NaN is not a JSON number"),
+    ('{"question": "q", "answer": -Infinity}', "-Infinity is not a JSON number"),
+    ('{"question": "q", "answer": 1e999}', "the number 1e999 is too large"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+])
+def test_non_finite_numbers_and_deep_nesting_are_refused_at_read_time(text, expected):
+    result = run_sptool("solve", "--backend", "scripted", input='{"question": "fine"}\n' + text + "\n")
+    line = one_error_line(result)
+    assert "<stdin>:2:" in line and expected in line, line
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train-step", "--lr", "inf", "-o", "{tmp}/ckpt"], "--lr/--learning-rate must be a finite number, got inf"),
+    (["train-step", "--lr", "-1", "-o", "{tmp}/ckpt"], "--lr/--learning-rate must be in (0, 1], got -1.0"),
+    (["verify", "--deadline", "inf"], "--deadline must be a finite number, got inf"),
+    (["verify", "--deadline", "-1"], "--deadline must be in (0, 604800], got -1.0"),
+    (["solve", "--deadline", "nan", "--backend", "scripted"], "--deadline must be a finite number, got nan"),
+    (["corpus", "fetch", "--retries", "-1"], "--retries must be in [0, 100], got -1"),
+    (["corpus", "fetch", "--timeout", "nan"], "--timeout must be a finite number, got nan"),
+    (["tree", "expand", "--tree", "{tmp}/t.json", "--seed", "-1"], "--seed must be in [0, 4294967295], got -1"),
+    (["solve", "-k", "100000000000000000000000", "--backend", "scripted"],
+     "-k/--samples must be in [1, 4096], got 100000000000000000000000 (generations per question)"),
+    (["tree", "expand", "--tree", "{tmp}/t.json", "--paths", "10000000"], "-b/--paths must be in [1, 100000], got 10000000"),
+    (["solve", "--temperature", "nan", "--backend", "scripted"], "--temperature must be a finite number"),
+])
+def test_bad_option_values_are_refused_before_any_work(tmp_path, args, expected):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = run_sptool(*args, input='{"question": "q"}\n')
+    line = one_error_line(result)
+    assert expected in line, line
+    assert result.stdout == "" and not (tmp_path / "ckpt").exists()
+
+
+@pytest.fixture(scope="module")
+def nan_model_dir(tmp_path_factory, tiny_model_dir) -> str:
+    """A small random Llama with one NaN weight (as an earlier broken update would leave it)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    path = tmp_path_factory.mktemp("nan-llama") / "model"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_train_step_never_writes_a_checkpoint_with_non_finite_weights(nan_model_dir, tmp_path):
+    out = tmp_path / "step-1"
+    result = run_sptool("train-step", "-m", nan_model_dir, "-o", str(out), "--device", "cpu", input="")
+    line = one_error_line(result, code=1) if result.stderr.count("\n") <= 1 else result.stderr.splitlines()[-1]
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "non-finite" in line and "not written" in line, result.stderr
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------- 3. deadlines that hold
+
+@pytest.mark.slow
+def test_solve_deadline_cuts_generation_writes_what_is_solved_and_exits_1(tmp_path):
+    """`solve` had no deadline at all; --deadline is a total budget (model loading included)."""
+    import time
+
+    out, rejects = tmp_path / "solved.jsonl", tmp_path / "rejects.jsonl"
+    questions = [{"question": f"Compute {i} + {i}, explaining every step in detail."} for i in range(12)]
+    source = write_jsonl(tmp_path / "q.jsonl", questions)
+    started = time.monotonic()
+    result = run_sptool("solve", str(source), "-k", "4", "--max-tokens", "2048", "--questions-per-call", "2",
+                        "--temperature", "1.0", "--device", "cpu", "--deadline", "20",
+                        "-o", str(out), "--rejects", str(rejects), "-q")
+    elapsed = time.monotonic() - started
+    line = one_error_line(result, code=1)
+    assert "--deadline 20s reached" in line, line
+    # + interpreter start-up, and model loading, which cannot be interrupted, on a loaded machine
+    assert elapsed < 20 + 15, elapsed
+    solved, dropped = read_jsonl(out), read_jsonl(rejects)
+    assert len(solved) + len(dropped) == 12 and dropped
+    assert all(r["reject_reason"] == "deadline" for r in dropped)
+    assert all(len(r["samples"]) == 4 for r in solved)
+
+
+SLOW_SAMPLE = "\\boxed{" + "1+" * 20000 + "1}"          # math-verify parses this for seconds
+NESTED_BOXES = "\\boxed{" * 8000 + "1" + "}" * 8000       # took `verify --deadline 5` 53 s
+
+
+def test_nested_boxes_and_slow_grading_end_within_the_deadline_plus_a_second():
+    import time
+
+    from sptool.verify import VerifyStage, extract_final_answer
+
+    started = time.monotonic()
+    assert extract_final_answer("\\boxed{" * 30000) is None  # parent side: linear, unclosed
+    assert extract_final_answer(NESTED_BOXES) == "1"
+    assert time.monotonic() - started < 1.0
+    stage = VerifyStage(workers=1, deadline_s=2.0)
+    try:
+        warm = list(stage.run([{"question": "1+1?", "answer": "2", "samples": [{"text": "\\boxed{2}"}]}]))
+        assert warm[0]["p_hat"] == 1.0  # the worker is up (imports done outside any deadline)
+        for text in (NESTED_BOXES, "\\boxed{" * 8000, SLOW_SAMPLE):
+            record = {"question": "q", "answer": "2", "samples": [{"text": text}]}
+            started = time.monotonic()
+            [graded] = stage.run([record])
+            elapsed = time.monotonic() - started
+            assert elapsed < 2.0 + 1.0, (text[:20], elapsed)
+        assert graded["verify_error"] and "timed out after 2s" in graded["verify_error"]
+        assert graded["p_hat"] is None and graded["samples"][0]["correct"] is None
+    finally:
+        stage.close()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    fields = handle.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_grading_workers_die_with_a_killed_parent(tmp_path):
+    """After `kill -9` of verify, its grading worker used to keep running at full CPU."""
+    import signal
+    import time
+
+    record = {"question": "q", "answer": "2", "samples": [{"text": SLOW_SAMPLE + str(i)} for i in range(40)]}
+    source = write_jsonl(tmp_path / "slow.jsonl", [record])
+    process = subprocess.Popen([*SPTOOL, "verify", "--workers", "1", "--deadline", "600", "-q", str(source)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        workers: list[int] = []
+        while time.monotonic() < deadline and not workers:
+            time.sleep(0.5)
+            workers = _children(process.pid)
+        assert workers, "no worker process started"
+        time.sleep(3)  # the worker is grading now
+        assert all(_alive(pid) for pid in workers)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        gone_by = time.monotonic() + 5
+        while time.monotonic() < gone_by and any(_alive(pid) for pid in workers):
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in workers), "a grading worker outlived its parent"
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -55,14 +55,41 @@ def _parse_line(raw: bytes, kind: RecordKind, source: str, number: int) -> dict:
         raise InputError(f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})",
                          source=source, line=number, hint=hint) from None
     try:
-        value = json.loads(text)
+        value = loads_strict(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"not valid JSON ({exc.msg} at column {exc.colno})", source=source,
                          line=number, hint="each line must be one JSON object") from None
+    except NonFiniteNumber as exc:
+        raise InputError(f"not valid JSON ({exc}; numbers must be finite)", source=source,
+                         line=number) from None
+    except RecursionError:
+        raise InputError("nested too deeply (more than a few hundred levels of lists/objects)",
+                         source=source, line=number) from None
     try:
         return kind.validate(value)
     except InputError as error:
         raise error.at(source, number) from None
+
+
+class NonFiniteNumber(ValueError):
+    """A NaN/Infinity literal or a number too large for a float: not JSON for sptool."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise NonFiniteNumber(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise NonFiniteNumber(f"the number {text[:30]} is too large")
+    return value
+
+
+def loads_strict(text: str) -> Any:
+    """``json.loads`` that refuses ``NaN``/``Infinity`` and numbers that overflow to infinity
+    (they are not JSON, and the writer could not write them back after all the work)."""
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
 
 
 def read_records(path: str | os.PathLike | None, kind: RecordKind = ANY, *,

@@ -145,9 +145,56 @@ class RecordKind:
     def validate(self, record: Any) -> dict:
         if not isinstance(record, dict):
             raise InputError(f"expected a JSON object ({self.name} record), got {describe(record)}")
+        check_known_fields(record)
         for f in self.fields:
             f.validate(record)
         return record
+
+
+# Fields with one meaning in every sptool record, wherever they appear: a wrong type there would
+# silently change a reward ("correct": "false" is truthy), so every record kind checks them.
+_BOOLEAN_FIELDS = ("valid",)
+_SAMPLE_BOOLEAN_FIELDS = ("correct",)
+_FRACTION_FIELDS = ("p_hat", "var", "majority_frac", "invalid_frac")
+
+
+def _check_boolean(value: Any, name: str) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise InputError(f"expected true/false, got {describe(value)}", field=name)
+
+
+def _check_fraction(value: Any, name: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(f"expected a number in [0, 1] or null, got {describe(value)}", field=name)
+    if not (0.0 <= value <= 1.0):  # also refuses NaN
+        raise InputError(f"expected a number in [0, 1], got {value!r}", field=name)
+
+
+def check_known_fields(record: dict) -> None:
+    """Type-check the fields every stage interprets the same way: ``valid`` and each sample's
+    ``correct`` are JSON booleans (or null), ``p_hat``/``var``/``majority_frac``/``invalid_frac``
+    (also under ``verdicts.<mode>``) are numbers in [0, 1] (or null), ``novelty.novel`` a boolean."""
+    for name in _BOOLEAN_FIELDS:
+        _check_boolean(record.get(name), name)
+    for name in _FRACTION_FIELDS:
+        _check_fraction(record.get(name), name)
+    samples = record.get("samples")
+    if isinstance(samples, list):
+        for index, sample in enumerate(samples):
+            if isinstance(sample, dict):
+                for name in _SAMPLE_BOOLEAN_FIELDS:
+                    _check_boolean(sample.get(name), f"samples[{index}].{name}")
+    verdicts = record.get("verdicts")
+    if isinstance(verdicts, dict):
+        for mode, summary in verdicts.items():
+            if isinstance(summary, dict):
+                for name in _FRACTION_FIELDS:
+                    _check_fraction(summary.get(name), f"verdicts.{mode}.{name}")
+    novelty = record.get("novelty")
+    if isinstance(novelty, dict):
+        _check_boolean(novelty.get("novel"), "novelty.novel")
 
 
 def _non_empty(value: str) -> str | None:

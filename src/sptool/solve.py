@@ -10,6 +10,7 @@ one backend call generates K samples for each of ``batch_size`` questions.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Iterator
 
 from sptool.models.base import Backend, SamplingParams
@@ -35,7 +36,8 @@ class SolveStage(Stage):
 
     def __init__(self, backend: Backend, *, samples: int = 8, mode: str = "math",
                  params: SamplingParams | None = None, prompt: str | PromptSpec | None = None,
-                 batch_size: int = 16, skip_invalid_questions: bool = True):
+                 batch_size: int = 16, skip_invalid_questions: bool = True,
+                 deadline: float | None = None):
         super().__init__()
         if mode not in MODES:
             raise UsageError(f"unknown --mode '{mode}'; choose from {', '.join(MODES)}")
@@ -48,6 +50,8 @@ class SolveStage(Stage):
         self.params = self.prompt.sampling(params or SamplingParams())
         self.batch_size = max(1, batch_size)
         self.skip_invalid_questions = skip_invalid_questions
+        self.deadline = deadline  # time.monotonic() by which solving must end; None: no limit
+        self.deadline_reached = False
 
     def process(self, records: Iterator[dict]) -> Iterator[dict]:
         for batch_number, batch in enumerate(iter_chunks(records, self.batch_size)):
@@ -56,10 +60,23 @@ class SolveStage(Stage):
                 if self.skip_invalid_questions and record.get("valid") is False:
                     continue  # generated questions already judged invalid: pass through unsolved
                 todo.append(record)
+            if todo and self.deadline is not None and time.monotonic() >= self.deadline:
+                self.deadline_reached = True
+            if todo and self.deadline_reached:  # every later question is dropped, counted
+                for record in batch:
+                    self.drop(record, "deadline")
+                continue
             if todo:
                 prompts = [self.prompt.messages(record) for record in todo]
-                params = dataclasses.replace(self.params, seed=self.params.seed * 7919 + batch_number)
+                params = dataclasses.replace(self.params, seed=self.params.seed * 7919 + batch_number,
+                                             deadline=self.deadline)
                 outputs = self.backend.generate(prompts, self.samples, params)
+                if self.deadline is not None and (time.monotonic() >= self.deadline or any(
+                        len(samples) < self.samples for samples in outputs)):
+                    self.deadline_reached = True  # generation was cut: the batch is incomplete
+                    for record in batch:
+                        self.drop(record, "deadline")
+                    continue
                 for record, prompt, samples in zip(todo, prompts, outputs):
                     ensure_id(record, record["question"], record.get("answer"))
                     record["mode"] = self.mode

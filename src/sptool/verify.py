@@ -34,22 +34,32 @@ from sptool.workers import DeadlinePool, TaskFailed, TaskTimeout
 
 INVALID = "INVALID"
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACES = re.compile(r"[{}]")
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{…}`` in ``text`` (balanced braces), or None."""
-    matches = list(_BOXED.finditer(text))
-    for match in reversed(matches):
-        depth, start = 1, match.end()
-        for position in range(start, len(text)):
-            char = text[position]
-            if char == "{":
-                depth += 1
-            elif char == "}":
-                depth -= 1
-                if depth == 0:
-                    content = text[start:position].strip()
-                    return content or None
+    """Content of the last ``\\boxed{…}`` in ``text`` (balanced braces), or None.
+
+    One pass over the braces (linear time): a text of thousands of nested or unclosed
+    ``\\boxed{`` cannot stall the caller (the parent process calls this too, outside any deadline).
+    """
+    openings = {match.end() - 1: match.end() for match in _BOXED.finditer(text)}
+    if not openings:
+        return None
+    closing: dict[int, int] = {}
+    stack: list[int] = []
+    for brace in _BRACES.finditer(text):
+        position = brace.start()
+        if text[position] == "{":
+            stack.append(position)
+        elif stack:
+            opened = stack.pop()
+            if opened in openings:
+                closing[opened] = position
+    for opened in sorted(openings, reverse=True):
+        if opened in closing:
+            content = text[openings[opened]:closing[opened]].strip()
+            return content or None
     return None
 
 

@@ -9,14 +9,18 @@ Results come back in input order, with a bounded number of items in flight.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
+import os
+import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterable, Iterator
 
-from sptool.records import RuntimeFailure
+from sptool.records import RuntimeFailure, UsageError
 
 
 @dataclass
@@ -35,11 +39,45 @@ class TaskFailed:
         return self.message
 
 
+def _die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
+    """End this worker when the parent dies, even by SIGKILL (which runs no cleanup there).
+
+    On Linux the kernel sends SIGKILL to the worker when its parent goes (PR_SET_PDEATHSIG;
+    only armed when the pool was started from the main thread, since the signal follows the
+    thread that started the worker); everywhere a daemon thread also polls the parent's pid.
+    """
+    import os
+    import threading
+
+    if use_pdeathsig and sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="sptool-parent-watch", daemon=True).start()
+
+
 def _worker_loop(function: Callable[[Any], Any], warmup: Callable[[], Any] | None,
-                 connection: Connection) -> None:
+                 connection: Connection, parent_pid: int | None = None,
+                 use_pdeathsig: bool = False) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if parent_pid is not None:
+        _die_with_parent(parent_pid, use_pdeathsig)
     try:
         if warmup is not None:
             warmup()  # heavy imports happen before the first deadline starts ticking
@@ -69,7 +107,9 @@ def _worker_loop(function: Callable[[Any], Any], warmup: Callable[[], Any] | Non
 class _Worker:
     def __init__(self, context, function, warmup):
         self.parent, child = context.Pipe()
-        self.process = context.Process(target=_worker_loop, args=(function, warmup, child),
+        main_thread = threading.current_thread() is threading.main_thread()
+        self.process = context.Process(target=_worker_loop,
+                                       args=(function, warmup, child, os.getpid(), main_thread),
                                        daemon=True)
         self.process.start()
         child.close()
@@ -100,6 +140,8 @@ class DeadlinePool:
         self.warmup = warmup
         self.n_workers = max(0, int(workers))
         self.deadline_s = float(deadline_s)
+        if not (math.isfinite(self.deadline_s) and self.deadline_s > 0):
+            raise UsageError(f"the deadline must be a finite number of seconds > 0, got {deadline_s}")
         self.max_in_flight = max_in_flight or max(4, 8 * self.n_workers)
         self._context = mp.get_context(start_method)
         self._workers: list[_Worker] = []

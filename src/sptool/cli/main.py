@@ -59,6 +59,21 @@ for _module in COMMAND_MODULES:
     _module.register(app)
 
 
+def _check_options_first(typer_app: typer.Typer) -> None:
+    """Every command checks its numeric options (finite, in range) before doing any work."""
+    from sptool.cli.limits import checked
+
+    for info in typer_app.registered_commands:
+        if info.callback is not None:
+            info.callback = checked(info.callback)
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _check_options_first(group.typer_instance)
+
+
+_check_options_first(app)
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"sptool {__version__}")

@@ -30,6 +30,10 @@ def solve(
     questions_per_call: int = typer.Option(16, "--questions-per-call",
                                            help="Questions per backend call (each with K samples)."),
     logprobs: bool = common.LogprobsOpt,
+    deadline: Optional[float] = typer.Option(
+        None, "--deadline", help="Total seconds for the whole command (model loading included); "
+        "questions not solved by then are dropped (reason 'deadline', see --rejects), the solved "
+        "ones are written, and the exit code is 1."),
     quiet: bool = common.QuietOpt,
     skip_invalid: bool = common.SkipInvalidOpt,
     rejects: Optional[str] = common.RejectsOpt,
@@ -49,5 +53,14 @@ def solve(
     engine = backend_options.load(quiet)
     stage = SolveStage(engine, samples=samples, mode=mode, params=params, prompt=spec,
                        batch_size=questions_per_call)
+    deadline: Optional[float] = typer.Option(
+        None, "--deadline", help="Total seconds for the whole command (model loading included); "
+        "questions not solved by then are dropped (reason 'deadline', see --rejects), the solved "
+        "ones are written, and the exit code is 1."),
     common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
                      skip_invalid=skip_invalid, rejects=rejects)
+    if stage.deadline_reached:
+        dropped = stage.stats.dropped["deadline"]
+        raise RuntimeFailure(f"solve: --deadline {deadline:g}s reached; {stage.stats.written} questions "
+                             f"written, {dropped} not solved (dropped with reason 'deadline'"
+                             f"{', in --rejects' if rejects else ''})")

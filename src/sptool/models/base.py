@@ -37,8 +37,23 @@ class SamplingParams:
     seed: int = 0
     logprobs: bool = False  # return per-token log-probabilities of the sampled tokens
     stop: tuple[str, ...] = ()  # stop strings: generation ends at the first (kept in the text)
+    # time.monotonic() by which generation must end (hf: generate's max_time; openai: the request
+    # timeout); None: no limit. A caller with a deadline checks the clock after the call too.
+    deadline: float | None = None
+
+    def seconds_left(self) -> float | None:
+        if self.deadline is None:
+            return None
+        import time
+
+        return max(0.0, self.deadline - time.monotonic())
 
     def __post_init__(self) -> None:
+        import math
+
+        if not (math.isfinite(self.temperature) and math.isfinite(self.top_p)):
+            raise UsageError(f"--temperature and --top-p must be finite numbers, got "
+                             f"{self.temperature} and {self.top_p}")
         if self.temperature < 0:
             raise UsageError(f"--temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

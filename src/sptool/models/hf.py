@@ -149,6 +149,11 @@ class HFBackend:
             options.update(self.generate_options)
             if params.stop:
                 options.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
+            left = params.seconds_left()
+            if left is not None:
+                if left <= 0:
+                    break  # past the deadline: the caller sees missing samples and drops the batch
+                options["max_time"] = left
             if sampling:
                 options.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
             else:

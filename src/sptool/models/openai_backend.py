@@ -180,7 +180,7 @@ class OpenAIBackend:
         return base
 
     def _request(self, base: str, method: str, path: str, body: dict | None, *, retries: int,
-                 text_ok: bool = False) -> dict:
+                 text_ok: bool = False, deadline: float | None = None) -> dict:
         """One call with retries; the JSON answer (``text_ok``: a plain-text or empty answer is
         returned as ``{"text": ...}``, as vLLM's adapter endpoints answer)."""
         url = base + path
@@ -192,9 +192,15 @@ class OpenAIBackend:
         for attempt in range(retries + 1):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            timeout = self.timeout
+            if deadline is not None:
+                timeout = min(timeout, deadline - time.monotonic())
+                if timeout <= 0:
+                    reason = "the deadline passed"
+                    break
             request = urllib.request.Request(url, data=data, headers=headers, method=method)
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                with urllib.request.urlopen(request, timeout=timeout) as response:
                     raw = response.read().decode("utf-8")
                 if text_ok:
                     try:
@@ -214,7 +220,7 @@ class OpenAIBackend:
             except urllib.error.URLError as exc:
                 reason = str(getattr(exc, "reason", exc))
             except (socket.timeout, TimeoutError):
-                reason = f"no answer within {self.timeout:g}s"
+                reason = f"no answer within {timeout:g}s"
             except (ConnectionError, OSError) as exc:
                 reason = str(exc) or type(exc).__name__
             except json.JSONDecodeError:
@@ -258,7 +264,13 @@ class OpenAIBackend:
 
     def _one(self, index: int, prompt: Prompt, n: int, params: SamplingParams) -> list[Sample]:
         path, body = self._body(prompt, n, params, seed=params.seed * 1_000_003 + index)
-        answer = self._request(self._next_base(), "POST", path, body, retries=self.retries)
+        try:
+            answer = self._request(self._next_base(), "POST", path, body, retries=self.retries,
+                                   deadline=params.deadline)
+        except RuntimeFailure:
+            if params.deadline is not None and params.seconds_left() <= 0:
+                return []  # cut by the caller's deadline: the caller drops the incomplete batch
+            raise
         choices = sorted(answer.get("choices", []), key=lambda choice: choice.get("index", 0))
         if len(choices) != n:
             raise RuntimeFailure(f"the server returned {len(choices)} choices for n={n}")

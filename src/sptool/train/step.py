@@ -172,6 +172,9 @@ class TrainConfig:
             self.clip_low = objective.clip_low
         if self.clip_high is None:
             self.clip_high = objective.clip_high
+        for name, value in vars(self).items():  # inf/nan would train NaN weights, silently
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UsageError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
         checks = [
             (self.learning_rate > 0, f"--learning-rate must be > 0, got {self.learning_rate}"),
             (self.beta >= 0, f"--beta must be >= 0, got {self.beta}"),
@@ -810,9 +813,23 @@ class PolicyTrainer:
             "config": config,
         }
 
+    def non_finite_parameters(self) -> list[str]:
+        """Names of trainable parameters holding NaN or infinite values (none after a sane update)."""
+        torch = self.torch
+        policy = self.accelerator.unwrap_model(self.model)
+        with torch.no_grad():
+            return [name for name, param in policy.named_parameters()
+                    if param.requires_grad and not bool(torch.isfinite(param).all())]
+
     def save(self, output: str | os.PathLike) -> None:
-        """Rank 0 writes the checkpoint atomically; other ranks wait for it."""
+        """Rank 0 writes the checkpoint atomically; other ranks wait for it. Weights that are
+        not finite are never written (the input checkpoint stays the latest good one)."""
         accelerator = self.accelerator
+        broken = self.non_finite_parameters()
+        if broken:
+            more = f" and {len(broken) - 3} more" if len(broken) > 3 else ""
+            raise RuntimeFailure(f"the update made weights non-finite (NaN/inf in {', '.join(broken[:3])}{more}); "
+                                 f"checkpoint {output} not written (lower --learning-rate or check the rewards)")
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             import transformers
