@@ -37,15 +37,17 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BRACES = re.compile(r"[{}]")
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{…}`` in ``text`` (balanced braces), or None.
+def _closed_boxes(text: str) -> list[tuple[int, int, int]]:
+    """Every ``\\boxed{…}`` whose braces close: (start of ``\\boxed``, start of content, position
+    of the closing brace), in order of appearance.
 
     One pass over the braces (linear time): a text of thousands of nested or unclosed
-    ``\\boxed{`` cannot stall the caller (the parent process calls this too, outside any deadline).
+    ``\\boxed{`` cannot stall the caller (the parent process extracts too, outside any deadline).
     """
-    openings = {match.end() - 1: match.end() for match in _BOXED.finditer(text)}
-    if not openings:
-        return None
+    matches = list(_BOXED.finditer(text))
+    if not matches:
+        return []
+    openings = {match.end() - 1 for match in matches}
     closing: dict[int, int] = {}
     stack: list[int] = []
     for brace in _BRACES.finditer(text):
@@ -56,29 +58,26 @@ def last_boxed(text: str) -> str | None:
             opened = stack.pop()
             if opened in openings:
                 closing[opened] = position
-    for opened in sorted(openings, reverse=True):
-        if opened in closing:
-            content = text[openings[opened]:closing[opened]].strip()
-            return content or None
-    return None
+    return [(match.start(), match.end(), closing[match.end() - 1]) for match in matches
+            if match.end() - 1 in closing]
 
 
-def _boxes(text: str) -> list[tuple[int, int, str]]:
+def last_boxed(text: str, closed: list[tuple[int, int, int]] | None = None) -> str | None:
+    """Content of the last ``\\boxed{…}`` in ``text`` (balanced braces), or None."""
+    boxes = _closed_boxes(text) if closed is None else closed
+    if not boxes:
+        return None
+    _, start, end = boxes[-1]
+    return text[start:end].strip() or None
+
+
+def _boxes(text: str, closed: list[tuple[int, int, int]] | None = None) -> list[tuple[int, int, str]]:
     """The outermost ``\\boxed{…}`` of ``text``: (start, end, stripped content), in order."""
     boxes: list[tuple[int, int, str]] = []
-    for match in _BOXED.finditer(text):
-        if boxes and match.start() < boxes[-1][1]:
+    for box_start, start, end in (_closed_boxes(text) if closed is None else closed):
+        if boxes and box_start < boxes[-1][1]:
             continue  # nested in the previous box
-        depth, start = 1, match.end()
-        for position in range(start, len(text)):
-            char = text[position]
-            if char == "{":
-                depth += 1
-            elif char == "}":
-                depth -= 1
-                if depth == 0:
-                    boxes.append((match.start(), position + 1, text[start:position].strip()))
-                    break
+        boxes.append((box_start, end + 1, text[start:end].strip()))
     return boxes
 
 
@@ -91,9 +90,10 @@ _FINAL_ANSWER_AFTER = re.compile(r"final answer\W{0,3}\s*(?:the final answer\s*)
 
 def _final_boxed(text: str) -> tuple[str | None, int]:
     """The last boxed answer (adjacent boxes joined as a list) and where it ends in ``text``."""
-    boxes = _boxes(text)
+    closed = _closed_boxes(text)
+    boxes = _boxes(text, closed)
     if not boxes:
-        return last_boxed(text), len(text)
+        return None, len(text)
     group = [boxes[-1]]
     for box in reversed(boxes[:-1]):
         if not _BOX_JOINER.fullmatch(text, box[1], group[0][0]):
@@ -101,7 +101,7 @@ def _final_boxed(text: str) -> tuple[str | None, int]:
         group.insert(0, box)
     contents = list(dict.fromkeys(content for _, _, content in group if content))
     if len(contents) <= 1:
-        return last_boxed(text), boxes[-1][1]
+        return last_boxed(text, closed), boxes[-1][1]
     return ", ".join(contents), boxes[-1][1]
 
 
