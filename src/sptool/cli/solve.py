@@ -40,8 +40,13 @@ def solve(
     backend_options: common.BackendOptions = None,
 ) -> None:
     """Sample K solutions per question (records need 'question'; 'answer' optional)."""
+    import time
+
     from sptool.models.base import SamplingParams
+    from sptool.records import RuntimeFailure
     from sptool.solve import MODES, SolveStage
+
+    deadline_at = None if deadline is None else time.monotonic() + deadline
 
     if mode not in MODES:
         from sptool.records import UsageError
@@ -52,11 +57,7 @@ def solve(
                             seed=seed, logprobs=logprobs)
     engine = backend_options.load(quiet)
     stage = SolveStage(engine, samples=samples, mode=mode, params=params, prompt=spec,
-                       batch_size=questions_per_call)
-    deadline: Optional[float] = typer.Option(
-        None, "--deadline", help="Total seconds for the whole command (model loading included); "
-        "questions not solved by then are dropped (reason 'deadline', see --rejects), the solved "
-        "ones are written, and the exit code is 1."),
+                       batch_size=questions_per_call, deadline=deadline_at)
     common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
                      skip_invalid=skip_invalid, rejects=rejects)
     if stage.deadline_reached:
