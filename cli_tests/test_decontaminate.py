@@ -193,3 +193,16 @@ def test_usage_errors(tmp_path):
     bench = write_jsonl(tmp_path / "b.jsonl", [{"question": "some words here"}])
     result = run_sptool("decontaminate", "-b", str(bench), "--minhash-threshold", "1.5", str(data))
     assert result.returncode == 2 and "--minhash-threshold must be in (0, 1]" in result.stderr
+
+
+def test_mark_invalid_keeps_a_contaminated_question_as_invalid(tmp_path):
+    benchmark, _ = make_data()
+    bench_path = write_jsonl(tmp_path / "bench.jsonl", benchmark[:3])
+    stage = DecontaminateStage(load_index([str(bench_path)]), mark_invalid=True)
+    records = [{"id": "copy", "question": benchmark[1]["question"]}, {"id": "fine", "question": "What is 2+2?"},
+               {"id": "doc", "text": benchmark[2]["question"]}]
+    out = list(stage.run(iter(records)))
+    assert [r["id"] for r in out] == ["copy", "fine"]          # the document is still dropped
+    assert out[0]["valid"] is False and out[0]["contamination"]["problem_id"] == "bench-1"
+    assert out[0]["invalid_reason"].startswith("contaminated (ngram): ")
+    assert "valid" not in out[1]

@@ -288,14 +288,20 @@ def load_index(paths: list[str], **options) -> BenchmarkIndex:
 class DecontaminateStage(Stage):
     """Drops records whose ``question`` (or, for WIST documents, ``text``) overlaps a benchmark
     problem; each dropped record carries ``contamination`` (benchmark, problem_id, method, span,
-    similarity) to the rejects. Records with neither field pass through."""
+    similarity) to the rejects. Records with neither field pass through.
+
+    ``mark_invalid``: keep a contaminated question, marked ``valid: false`` with
+    ``invalid_reason`` and ``contamination`` (in a self-play loop the questioner then gets the
+    penalty of an invalid question, and no solver sees it); documents are still dropped."""
 
     name = "decontaminate"
 
-    def __init__(self, index: BenchmarkIndex, *, fields: tuple[str, ...] = CHECKED_FIELDS):
+    def __init__(self, index: BenchmarkIndex, *, fields: tuple[str, ...] = CHECKED_FIELDS,
+                 mark_invalid: bool = False):
         super().__init__()
         self.index = index
         self.fields = fields
+        self.mark_invalid = mark_invalid
 
     def check(self, record: dict) -> Match | None:
         for name in self.fields:
@@ -315,4 +321,11 @@ class DecontaminateStage(Stage):
                 yield record
                 continue
             record["contamination"] = found.as_dict()
-            self.drop(record, f"contaminated ({found.method})")
+            reason = f"contaminated ({found.method})"
+            if self.mark_invalid and isinstance(record.get("question"), str):
+                record["valid"] = False
+                record["invalid_reason"] = f"{reason}: {found.benchmark} problem {found.problem_id}"
+                self.stats.notes[f"marked invalid, {reason}"] += 1
+                yield record
+                continue
+            self.drop(record, reason)

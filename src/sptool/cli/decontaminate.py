@@ -27,6 +27,10 @@ def decontaminate(
                                             help="MinHash Jaccard (over word pairs) at or above which a "
                                                  "record is a near-copy."),
     no_minhash: bool = typer.Option(False, "--no-minhash", help="Only the n-gram test."),
+    mark_invalid: bool = typer.Option(False, "--mark-invalid",
+                                      help="Keep contaminated questions, marked \"valid\": false with the "
+                                           "reason (self-play: the questioner is penalised as for any "
+                                           "invalid question); documents are still dropped."),
     quiet: bool = common.QuietOpt,
     skip_invalid: bool = common.SkipInvalidOpt,
     rejects: Optional[str] = common.RejectsOpt,
@@ -41,6 +45,6 @@ def decontaminate(
 
     index = load_index(benchmarks, ngram=ngram, min_words=min_words,
                        threshold=None if no_minhash else minhash_threshold)
-    stage = DecontaminateStage(index)
+    stage = DecontaminateStage(index, mark_invalid=mark_invalid)
     common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
                      skip_invalid=skip_invalid, rejects=rejects)
