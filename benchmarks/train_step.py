@@ -10,15 +10,14 @@ any trainer must do: forward, a policy-gradient loss −Σ A·log π over comple
 backward, AdamW step. The sptool paths are ``PolicyTrainer.update_sequences`` (Dr. GRPO loss,
 ratio, clipping, entropy and metrics, gradient clipping, accelerate wrapping):
 
-- ``old``: ``--full-logits``, the previous computation ([tokens × vocabulary] logits, float32
-  log-softmax and entropy over them, attention mask);
-- ``new``: the default (head applied in token chunks, fused loss gradient, no attention mask;
-  on CUDA the chunk kernels are compiled by torch.compile, their compile time falls in the
-  untimed warm-up step);
-- ``new-eager``: the default with eager chunk kernels (what CPUs run);
-- ``new-noent``: the default without the entropy metric (``--no-entropy``);
-- ``new-compile``: the default with ``--compile`` (regional torch.compile of the decoder layers,
-  compiled chunk kernels); its first (untimed) step pays the compile time.
+- ``old``: ``--full-logits --no-compile``, the previous computation ([tokens × vocabulary]
+  logits, float32 log-softmax and entropy over them, attention mask);
+- ``chunked``: the head applied in token chunks with the loss gradient fused into the same pass,
+  no attention mask, eager torch throughout (``--no-compile``; what CPUs run);
+- ``kernels``: ``chunked`` with the chunk kernels compiled by torch.compile (CUDA);
+- ``new``: the default: ``kernels`` plus regional torch.compile of the decoder layers (CUDA);
+- ``new-noent``: the default without the entropy metric (``--no-entropy``).
+Compile time falls in each path's untimed warm-up step.
 
 Each path runs alone (the previous one's model and optimizer are freed first), one untimed
 warm-up step, then ``--repeats`` timed steps. Prints a table with tokens/s (prompt + completion
@@ -111,11 +110,11 @@ def flops_per_token(model, config, seq_len: int) -> float:
 
 PATHS = {
     "bare": ("bare torch fwd/bwd/AdamW", None),
-    "old": ("sptool train-step, old (--full-logits)", dict(full_logits=True)),
-    "new": ("sptool train-step, new (default)", dict()),
-    "new-eager": ("sptool train-step, new, eager chunk kernels", dict(compile_kernels=False)),
-    "new-noent": ("sptool train-step, new, --no-entropy", dict(entropy=False)),
-    "new-compile": ("sptool train-step, new, --compile", dict(compile=True)),
+    "old": ("sptool, old (--full-logits --no-compile)", dict(full_logits=True, compile=False, compile_kernels=False)),
+    "chunked": ("sptool, chunked log-probs, eager (--no-compile)", dict(compile=False, compile_kernels=False)),
+    "kernels": ("sptool, chunked + compiled chunk kernels", dict(compile=False)),
+    "new": ("sptool, new default (+ compiled decoder layers)", dict()),
+    "new-noent": ("sptool, new default, --no-entropy", dict(entropy=False)),
 }
 
 
@@ -166,7 +165,8 @@ def run_shape(args, shape: str, paths: list[str]) -> None:
     print(f"shape {shape} ({n_params / 1e6:.1f}M parameters), device {args.device}, "
           f"batch {len(sequences)} sequences × {seq_len} tokens = {tokens} tokens, "
           f"{len(plan)} micro-batches of ≤ {args.max_tokens_per_micro_batch} tokens, "
-          f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.repeats} timed steps", flush=True)
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.repeats} timed steps"
+          + (f", sptool paths LoRA r={args.lora_r}" if args.lora_r else ""), flush=True)
     header = "| path | s/step | tokens/s | × bare |" + (" MFU |" if cuda else "") + " peak GiB |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1), flush=True)
@@ -197,9 +197,16 @@ def run_shape(args, shape: str, paths: list[str]) -> None:
                                                         autocast_dtype))
                 del bare_model, bare_optimizer
             else:
+                if args.lora_r:
+                    from peft import LoraConfig, get_peft_model
+
+                    copy_ = get_peft_model(copy_, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r,
+                                                             target_modules="all-linear", task_type="CAUSAL_LM"))
                 trainer = PolicyTrainer(TrainConfig(model="<benchmark>", learning_rate=1e-6, device=args.device,
                                                     max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
-                                                    **options), model=copy_)
+                                                    max_completion_tokens=args.completion_len, **options),
+                                        model=copy_,
+                                        log=lambda message: print(message, file=sys.stderr, flush=True))
                 seconds, peak = timed(lambda: trainer.update_sequences(sequences))
                 del trainer
         except Exception as exc:  # noqa: BLE001 - one path failing must not hide the others
@@ -224,13 +231,15 @@ def main() -> None:
     parser.add_argument("--shape", default=None, help=f"comma-separated, of {sorted(SHAPES)}; "
                         "default: small on CPU, 0.5b on CUDA")
     parser.add_argument("--paths", default=None, help=f"comma-separated, of {list(PATHS)}; "
-                        "default: bare,old,new,new-noent (and new-eager, new-compile on CUDA)")
+                        "default: bare,old,new,new-noent (CPU), bare,old,chunked,kernels,new,new-noent (CUDA)")
     parser.add_argument("--groups", type=int, default=None)
     parser.add_argument("--group-size", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--completion-len", type=int, default=None)
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lora-r", type=int, default=0, help="sptool paths train a LoRA adapter of this rank "
+                        "(the bare path stays full fine-tuning)")
     parser.add_argument("--peak-tflops", type=float, default=790.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -242,8 +251,7 @@ def main() -> None:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    paths = (args.paths or ("bare,old,new,new-eager,new-noent,new-compile" if cuda else "bare,old,new,new-noent")
-             ).split(",")
+    paths = (args.paths or ("bare,old,chunked,kernels,new,new-noent" if cuda else "bare,old,new,new-noent")).split(",")
     shapes = args.shape.split(",")
     for name in paths:
         if name not in PATHS:

@@ -162,7 +162,7 @@ class TrainConfig:
     seed: int = 0
     full_logits: bool = False           # the previous path: [tokens × vocabulary] logits (slower, larger)
     entropy: bool = True                # report the policy's entropy (one more pass over each logit chunk)
-    compile: bool = False               # torch.compile each decoder layer (regional compilation)
+    compile: bool | None = None         # torch.compile each decoder layer (regional); default: on CUDA
     compile_kernels: bool | None = None  # torch.compile the log-prob chunk kernels; default: on CUDA
     logit_chunk_elements: int | None = None  # rows × vocabulary per logit chunk; default by device
 
@@ -246,9 +246,10 @@ def _bypassed(head):
         del head.forward
 
 
-def _compile_decoder_layers(model, log: Callable[[str], None]) -> None:
+def _compile_decoder_layers(model, log: Callable[[str], None]) -> list:
     """``torch.compile`` each decoder layer in place (regional compilation: the layers share one
-    compiled graph, so compiling costs one layer's time; module names and checkpoints unchanged)."""
+    compiled graph, so compiling costs one layer's time; module names and checkpoints unchanged).
+    Returns the compiled layers (:func:`_uncompile` undoes it)."""
     layers = None
     for module in model.modules():
         if module.__class__.__name__.endswith("DecoderLayer"):
@@ -256,9 +257,15 @@ def _compile_decoder_layers(model, log: Callable[[str], None]) -> None:
             layers.append(module)
     if not layers:
         log("note: --compile found no decoder layers to compile; running eagerly")
-        return
+        return []
     for layer in layers:
         layer.compile()
+    return layers
+
+
+def _uncompile(layers) -> None:
+    for layer in layers:
+        layer._compiled_call_impl = None  # what nn.Module.compile set
 
 
 def peak_memory_mb(device) -> float:
@@ -320,10 +327,13 @@ class PolicyTrainer:
         self._restore_optimizer(optimizer, len(params))
         self.params = params
         self.warned_normaliser = False
+        cuda = self.device.type == "cuda"
         compile_kernels = True if config.compile_kernels is None else config.compile_kernels
-        self.kernels_compiled = bool(compile_kernels) and self.device.type == "cuda"
-        if config.compile:
-            _compile_decoder_layers(model, log=self.log)
+        self.kernels_compiled = bool(compile_kernels) and cuda
+        # the first micro-batch through compiled layers is tried once; a failure falls back to eager
+        self.compiled_layers = _compile_decoder_layers(model, log=self.log) \
+            if (cuda if config.compile is None else config.compile) else []
+        self.compile_proven = not self.compiled_layers
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.head = None if config.full_logits else self._bypassable_head(model)
         self.ref_head = self._bypassable_head(self.ref_model) if self.head is not None and self.ref_model is not None \
@@ -427,6 +437,15 @@ class PolicyTrainer:
         if self.tokenizer is not None and self.tokenizer.pad_token_id is not None:
             return int(self.tokenizer.pad_token_id)
         return int(getattr(model.config, "pad_token_id", None) or 0)
+
+    def _give_up_compile(self, exc: Exception) -> None:
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        self.log(f"note: the compiled decoder layers failed on their first step ({type(exc).__name__}: "
+                 f"{first}); running them eagerly (--no-compile)")
+        _uncompile(self.compiled_layers)
+        self.compiled_layers = []
+        self.compile_proven = True
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _bypassable_head(self, model):
         """The model's output layer when the chunked log-prob path applies to it (a plain
@@ -541,8 +560,16 @@ class PolicyTrainer:
                 batch_weights = [weights[i] if count else 0.0 for i in indices]
                 sync = contextlib.nullcontext() if k == len(plan) - 1 else accelerator.no_sync(self.model)
                 with sync:
-                    loss, stats = self._micro_batch_loss(batch, batch_weights)
-                    accelerator.backward(loss * world)  # DDP averages gradients over ranks: undo it
+                    try:
+                        loss, stats = self._micro_batch_loss(batch, batch_weights)
+                        accelerator.backward(loss * world)  # DDP averages gradients over ranks: undo it
+                    except Exception as exc:  # noqa: BLE001 - only a first compiled step is retried
+                        if self.compile_proven or k > 0:
+                            raise
+                        self._give_up_compile(exc)
+                        loss, stats = self._micro_batch_loss(batch, batch_weights)
+                        accelerator.backward(loss * world)
+                    self.compile_proven = True
                 if count:
                     totals += stats
             n_micro = len(plan)
