@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
@@ -41,12 +42,22 @@ class Recipe:
     def restore(self, run_dir: "RunDir") -> None:
         """Recover the recipe's own state (WIST's tree) from a run directory; most have none."""
 
-    def filter(self, **options) -> StepFunction:
-        """The recipe's filter: verified records -> training groups with rewards and advantages."""
+    def filter(self, **inputs: str) -> StepFunction:
+        """The recipe's filter (``sptool.filter.FILTERS``): verified records -> training groups.
+        Its settings are the recipe section's fields of the same names; ``inputs`` hands it the
+        output of other steps by keyword (R-Quest: ``replay="s-replay-verify"``)."""
         def filter(ctx: StepContext, records: list[dict]) -> list[dict]:
-            from sptool.filter import FilterOptions, FilterStage
+            from sptool.filter import FILTERS
 
+            filter_class = FILTERS.get(self.name)
             advantage = "dr_grpo" if self.config["train"]["loss"] == "dr_grpo" else "grpo"
-            stage = FilterStage(self.name, FilterOptions(advantage=advantage, seed=ctx.seed, **options))
+            extra = {name: ctx.output(step) for name, step in inputs.items()}
+            stage = filter_class(self.filter_options(filter_class.Options), advantage=advantage,
+                                 seed=ctx.seed, **extra)
             return ctx.run_stage(stage, records)
         return filter
+
+    def filter_options(self, options: type):
+        """The filter's options from the recipe section (fields of the same names)."""
+        values = {f.name: getattr(self.c, f.name) for f in fields(options) if hasattr(self.c, f.name)}
+        return options(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})

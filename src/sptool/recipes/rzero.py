@@ -38,7 +38,7 @@ class RZero(Recipe):
         for step in range(1, c.questioner_steps + 1):
             p = f"q{step}-"
             last = self.propose_and_grade(steps, p, c.questions, novelty=self.novelty_gate)
-            steps += [Step(f"{p}filter", self.filter(**self.filter_options()), inputs=[last], kind="filter"),
+            steps += [Step(f"{p}filter", self.filter(), inputs=[last], kind="filter"),
                       Step(f"{p}train", s.train(["questioner"], groups=is_questioner_group),
                            inputs=[f"{p}filter"], kind="train")]
         last = self.propose_and_grade(steps, "s-", c.solver_questions, novelty=False)
@@ -75,13 +75,8 @@ class RZero(Recipe):
     def replay_steps(self) -> list[Step]:
         return []
 
-    def filter_options(self) -> dict:
-        c = self.c
-        return dict(bleu_threshold=c.bleu_threshold, solver_band=tuple(c.solver_band),
-                    format_weight=c.format_weight, uncertainty=c.uncertainty)
-
     def solver_filter(self):
-        return self.filter(**self.filter_options())
+        return self.filter()
 
     # -- step bodies ----------------------------------------------------------------------------
 
@@ -129,22 +124,9 @@ class RQuest(RZero):
                 Step("s-replay-verify", self.session.verify(pseudo_label=False), inputs=["s-replay-solve"],
                      kind="verify")]
 
-    def filter_options(self) -> dict:
-        c = self.c
-        return dict(bleu_threshold=c.bleu_threshold, solver_band=tuple(c.solver_band),
-                    format_weight=c.format_weight, replay=None, replay_share=c.replay_share)
-
     def solver_filter(self):
-        if not self.c.replay:
-            return self.filter(**self.filter_options())
-
-        def filter(ctx: StepContext, records: list[dict]) -> list[dict]:
-            run_dir = self.session.run_dir
-            key = next(k for k in run_dir.manifest["order"]
-                       if k.startswith(f"iter-{ctx.iteration:04d}/") and k.endswith("-s-replay-verify"))
-            replay = str(run_dir.path / run_dir.manifest["stages"][key]["output"])
-            return self.filter(**{**self.filter_options(), "replay": replay})(ctx, records)
-        return filter
+        """The solver's filter, with the replayed validity groups when ``replay`` is set."""
+        return self.filter(replay="s-replay-verify") if self.c.replay else self.filter()
 
     def replay_solve(self, ctx: StepContext, records: list[dict]) -> list[dict]:
         """Re-solve (validity mode) a seeded sample of the validity-initialisation set for replay."""

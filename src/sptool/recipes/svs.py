@@ -37,10 +37,7 @@ class Svs(Recipe):
             Step("solve-variants", s.solve(c.samples), inputs=["challenge"], only=is_parsed, kind="solve"),
             Step("verify-variants", s.verify(pseudo_label=False), inputs=["solve-variants"],
                  only=has_samples, kind="verify"),
-            Step("filter", self.filter(synthesis_band=tuple(c.synthesis_band),
-                                       negative_synthesis=c.negative_synthesis,
-                                       format_weight=c.format_weight),
-                 inputs=["verify", "verify-variants"]),
+            Step("filter", self.filter(), inputs=["verify", "verify-variants"]),
             Step("train", s.train(s.roles()), inputs=["filter"]),
         ]
 

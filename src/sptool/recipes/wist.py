@@ -37,7 +37,7 @@ class Wist(Recipe):
             Step("challenge", self.challenge, inputs=["corpus-fetch"]),
             Step("solve", s.solve(c.samples), inputs=["challenge"]),
             Step("verify", s.verify(pseudo_label=False), inputs=["solve"]),
-            Step("filter", self.filter(sigma=c.sigma, invalid_penalty=c.invalid_penalty), inputs=["verify"]),
+            Step("filter", self.filter(), inputs=["verify"]),
             Step("train", s.train(s.roles()), inputs=["filter"]),
             Step("posterior-update", self.update_posterior, inputs=["verify"]),
         ]
