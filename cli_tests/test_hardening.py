@@ -347,3 +347,159 @@ def test_grading_workers_die_with_a_killed_parent(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+# ---------------------------------------------------------------- 3/4. HTTP: total budget, address policy
+
+class _Hostile:
+    """A real HTTP server on 127.0.0.1: /drip sends one byte a second, anything else redirects to
+    ``self.target`` (set per test)."""
+
+    def __init__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        hostile = self
+        self.target = ""
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):  # noqa: N802
+                import time
+
+                if self.path.startswith("/drip") or "drip" in self.path:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", "200")
+                    self.end_headers()
+                    try:
+                        for _ in range(200):
+                            self.wfile.write(b" ")
+                            self.wfile.flush()
+                            time.sleep(1.0)
+                    except OSError:
+                        pass
+                    return
+                self.send_response(302)
+                self.send_header("Location", hostile.target)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _Listener:
+    """A bare TCP listener that counts the connections it receives (the redirect target)."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+
+        def accept():
+            while True:
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                self.connections += 1
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+                conn.close()
+
+        threading.Thread(target=accept, daemon=True).start()
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.fixture
+def hostile():
+    server = _Hostile()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def listener():
+    target = _Listener()
+    yield target
+    target.close()
+
+
+def _clients(base: str, timeout: float, **policy):
+    """Every outbound HTTP client of sptool, pointed at ``base``: name -> call()."""
+    from sptool.corpus.fetch import Fetcher
+    from sptool.corpus.policy import UrlPolicy
+    from sptool.corpus.search import BraveSearch, SearxngSearch, WikipediaSearch
+    from sptool.titles import WikipediaTitles
+
+    os.environ.setdefault("SPTOOL_BRAVE_API_KEY", "test-key")
+    return {
+        "corpus fetch": lambda: Fetcher(UrlPolicy(allow_networks=["127.0.0.1/32"], **policy), timeout=timeout,
+                                        retries=0, per_host_delay=0).fetch(base + "/page"),
+        "searxng": lambda: SearxngSearch(base, timeout=timeout, **policy).search("q", 5),
+        "wikipedia search": lambda: WikipediaSearch(base + "/w/api.php", timeout=timeout, **policy).search("q", 5),
+        "brave": lambda: BraveSearch(base + "/res", timeout=timeout, **policy).search("q", 5),
+        "titles": lambda: WikipediaTitles(base + "/w/api.php", timeout_s=timeout, retries=0, **policy).search("q"),
+    }
+
+
+def _outcome(call) -> str:
+    result = None
+    try:
+        result = call()
+    except Exception as error:  # noqa: BLE001 - SearchError / RuntimeFailure: the message
+        return str(error)
+    return f"{result.error}: {result.detail}" if getattr(result, "error", None) else f"ok {result!r}"
+
+
+def test_a_server_sending_one_byte_a_second_is_cut_at_the_total_budget(hostile):
+    """Per-read timeouts let a drip feed last 200 s (101 s in the review); the budget is total."""
+    import time
+
+    for name, call in _clients(hostile.base + "/drip", 3.0).items():
+        started = time.monotonic()
+        outcome = _outcome(call)
+        elapsed = time.monotonic() - started
+        assert "timeout" in outcome and "within 3s" in outcome, (name, outcome)
+        assert 2.5 < elapsed < 3.0 + 1.5, (name, elapsed)
+
+
+@pytest.mark.parametrize("where", ["http://2130706433:{port}/x", "http://0177.0.0.1:{port}/x",
+                                   "http://localhost:{port}/x", "http://[::ffff:127.0.0.1]:{port}/x",
+                                   "ftp://127.0.0.1:{port}/x", "http://169.254.169.254/latest/meta-data/"])
+def test_redirects_to_loopback_private_metadata_or_ftp_are_refused_before_connecting(hostile, listener, where):
+    """The search and title clients followed these redirects (once to cloud metadata)."""
+    hostile.target = where.format(port=listener.port)
+    for name, call in _clients(hostile.base, 5.0).items():
+        if name == "corpus fetch":  # reaches 127.0.0.1 only through --allow-network (test_corpus covers it)
+            continue
+        outcome = _outcome(call)
+        assert "redirect to" in outcome and ("private-address" in outcome or "scheme" in outcome), (name, outcome)
+    assert listener.connections == 0  # refused before any connection was made
+
+
+def test_allow_private_lets_a_redirect_reach_loopback_but_never_metadata(hostile, listener):
+    hostile.target = f"http://localhost:{listener.port}/x"
+    clients = _clients(hostile.base, 5.0, allow_private=True)
+    for name in ("searxng", "titles"):
+        assert "private-address" not in _outcome(clients[name]), name
+    assert listener.connections == 2  # both redirects were followed to the loopback listener
+    hostile.target = "http://169.254.169.254/latest/meta-data/"
+    for name, call in _clients(hostile.base, 5.0, allow_private=True).items():
+        if name != "corpus fetch":
+            assert "link-local/metadata" in _outcome(call), name

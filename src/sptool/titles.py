@@ -8,7 +8,8 @@ articles that a search for ``query`` returns. The tree expander computes
 Two backends:
 
 - :class:`WikipediaTitles`: MediaWiki's public search API (``action=query&list=search``, or
-  ``action=opensearch``) over HTTP with the standard library (``urllib``) and a timeout. The
+  ``action=opensearch``) through :class:`sptool.net.HttpClient` (total time budget; redirects
+  away from the endpoint checked by the address policy before connecting). The
   endpoint is configurable (``--wiki-url``), so a mirror or a local test server can stand in.
 - :class:`LocalTitles`: an offline list of titles (a text file, one title per line, ``#``
   comments) or a folder (every file name, ``Group_theory.txt`` → "Group theory"). Search ranks
@@ -19,9 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Protocol
 
@@ -47,7 +46,7 @@ class WikipediaTitles:
     name = "wikipedia"
 
     def __init__(self, url: str = DEFAULT_WIKI_URL, *, api: str = "search", timeout_s: float = 10.0,
-                 retries: int = 1):
+                 retries: int = 1, allow_private: bool = False, allow_networks=()):
         if api not in ("search", "opensearch"):
             raise UsageError(f"unknown Wikipedia API '{api}'; choose from search, opensearch")
         parsed = urllib.parse.urlparse(url)
@@ -58,6 +57,16 @@ class WikipediaTitles:
         self.timeout_s = timeout_s
         self.retries = max(0, retries)
         self.requests = 0
+        from sptool.corpus.policy import network_policy
+        from sptool.net import HttpClient
+
+        # The configured endpoint is trusted at its own origin; a redirect elsewhere is checked
+        # (loopback, private, metadata refused unless allow_private) before any connection, and
+        # each search has a total time budget of timeout_s (retries included).
+        self.client = HttpClient(network_policy(allow_private=allow_private, allow_networks=allow_networks),
+                                 timeout=timeout_s, retries=self.retries, backoff=0.2,
+                                 max_bytes=2_000_000, user_agent=USER_AGENT, trusted=[url],
+                                 total_s=timeout_s)
 
     def request_url(self, query: str, limit: int) -> str:
         if self.api == "search":
@@ -70,27 +79,18 @@ class WikipediaTitles:
         return self.url + separator + urllib.parse.urlencode(params)
 
     def search(self, query: str, limit: int = 10) -> list[str]:
+        from sptool.net import HttpError
+
         url = self.request_url(query, limit)
-        request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT,
-                                                       "Accept": "application/json"})
-        body: bytes | None = None
-        last_error: Exception | None = None
-        for _attempt in range(self.retries + 1):
-            self.requests += 1
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    body = response.read(2_000_000)
-                break
-            except urllib.error.HTTPError as exc:
-                last_error = exc
-                if exc.code < 500:
-                    break
-            except (urllib.error.URLError, OSError) as exc:
-                last_error = exc
-        if body is None:
-            reason = getattr(last_error, "reason", None) or last_error
-            raise RuntimeFailure(f"title search at {self.url} failed: {reason} (no network? pass "
-                                 "--titles FILE, one title a line, to validate new nodes offline)")
+        try:
+            response = self.client.request(url, accept="application/json")
+        except HttpError as error:
+            self.requests += error.response.attempts if error.response is not None else 1
+            raise RuntimeFailure(f"title search at {self.url} failed: {error.category}: {error.detail} "
+                                 "(no network? pass --titles FILE, one title a line, to validate new "
+                                 "nodes offline)") from None
+        self.requests += response.attempts
+        body = response.body
         return parse_search_response(body, self.api, source=self.url)[:limit]
 
 
@@ -157,10 +157,12 @@ def load_titles(path: str) -> list[str]:
 
 
 def load_title_backend(titles: str | None = None, wiki_url: str | None = None, *,
-                       api: str = "search", timeout_s: float = 10.0) -> TitleBackend:
+                       api: str = "search", timeout_s: float = 10.0, allow_private: bool = False,
+                       allow_networks=()) -> TitleBackend:
     """``--titles PATH`` → offline list; otherwise Wikipedia at ``wiki_url`` (default: en.wikipedia)."""
     if titles and wiki_url:
         raise UsageError("give either --titles (offline) or --wiki-url (Wikipedia), not both")
     if titles:
         return LocalTitles(titles)
-    return WikipediaTitles(wiki_url or DEFAULT_WIKI_URL, api=api, timeout_s=timeout_s)
+    return WikipediaTitles(wiki_url or DEFAULT_WIKI_URL, api=api, timeout_s=timeout_s,
+                           allow_private=allow_private, allow_networks=allow_networks)

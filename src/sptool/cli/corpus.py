@@ -78,7 +78,8 @@ def fetch(
         raise UsageError("--dedup must be between 0 and 1")
     policy = load_policy(policy_file, allow_domains=allow_domain, deny_domains=deny_domain,
                          allow_private=allow_private, allow_networks=allow_network)
-    backend = load_search(search, url=search_url, timeout=timeout)
+    backend = load_search(search, url=search_url, timeout=timeout, allow_private=allow_private,
+                          allow_networks=allow_network)
     fetcher = Fetcher(policy, timeout=timeout, retries=retries, backoff=backoff, max_bytes=max_bytes,
                       concurrency=concurrency, per_host_delay=delay,
                       user_agent=user_agent or DEFAULT_USER_AGENT)

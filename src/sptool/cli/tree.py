@@ -65,7 +65,10 @@ def expand(
     wiki_url: Optional[str] = typer.Option(None, "--wiki-url", envvar="SPTOOL_WIKI_URL",
                                            help="MediaWiki api.php URL (default en.wikipedia.org)."),
     wiki_api: str = typer.Option("search", "--wiki-api", help="search (list=search) or opensearch."),
-    wiki_timeout: float = typer.Option(10.0, "--wiki-timeout", help="Seconds per title search."),
+    allow_private: bool = typer.Option(False, "--allow-private",
+                                       help="Let a --wiki-url redirect reach loopback and private "
+                                            "addresses (never link-local/metadata)."),
+    wiki_timeout: float = typer.Option(10.0, "--wiki-timeout", help="Total seconds per title search (connect, answer, body and retries)."),
     tau_wiki: float = typer.Option(0.8, "--tau-wiki", help="Accept a non-leaf node when s_max >= this."),
     duplicate_threshold: float = typer.Option(0.85, "--duplicate-threshold",
                                               help="Reject a proposal this similar to a sibling (rapidfuzz)."),
@@ -106,7 +109,8 @@ def expand(
                             max_children=max_children)
     spec = common.load_prompt_option("tree", prompt, prefix, stop)
     tree = load_tree(tree_path)
-    title_backend = load_title_backend(titles, wiki_url, api=wiki_api, timeout_s=wiki_timeout)
+    title_backend = load_title_backend(titles, wiki_url, api=wiki_api, timeout_s=wiki_timeout,
+                                       allow_private=allow_private)
     params = SamplingParams(temperature=temperature, max_new_tokens=max_tokens, seed=seed)
     log = common.stderr_log(quiet)
     engine = backend_options.load(quiet)

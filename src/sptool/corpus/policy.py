@@ -236,3 +236,10 @@ def load_policy(path: str | None = None, *, allow_domains: Iterable[str] = (),
     kwargs["allow_domains"] += list(allow_domains)
     kwargs["deny_domains"] += list(deny_domains)
     return UrlPolicy(**kwargs, allow_private=allow_private, allow_networks=list(allow_networks))
+
+
+def network_policy(*, allow_private: bool = False, allow_networks: Iterable[str] = ()) -> UrlPolicy:
+    """The address rule alone (no domain or pattern lists): for API clients (search endpoints,
+    title lookups) whose redirects must not reach loopback, private or metadata addresses."""
+    return UrlPolicy(deny_domains=[], deny_patterns=[], allow_private=allow_private,
+                     allow_networks=list(allow_networks))

@@ -12,8 +12,12 @@ Chosen by name with :func:`load_search` (``--search``):
   (``text`` or ``html``, optional ``title`` and ``url``), ranked for the query with BM25 — the
   offline backend. Results carry their content, so nothing is fetched.
 
-The search endpoints themselves are configured by the user and are trusted (a SearXNG instance
-usually runs on localhost); the URL policy applies to the result URLs that sptool fetches.
+The search endpoints themselves are configured by the user and are trusted at their own origin
+(a SearXNG instance usually runs on localhost); every request goes through
+:class:`sptool.net.HttpClient`, so a redirect away from the endpoint is checked by the address
+policy before any connection (loopback, private, link-local/metadata refused unless
+``--allow-private``), with a total time budget per attempt. The URL policy applies to the result
+URLs that sptool fetches.
 """
 
 from __future__ import annotations
@@ -23,16 +27,17 @@ import json
 import math
 import os
 import re
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 from sptool.records import InputError, RuntimeFailure, UsageError
 from sptool.registry import Registry
+
+if TYPE_CHECKING:
+    from sptool.net import HttpClient
 
 
 @dataclass
@@ -58,25 +63,36 @@ class SearchError(RuntimeFailure):
     """The search endpoint failed (down, bad answer)."""
 
 
-def http_get_json(url: str, *, headers: dict | None = None, timeout: float = 15.0,
-                  user_agent: str | None = None) -> dict:
-    """GET a JSON document from a (trusted) search endpoint."""
-    from sptool.corpus.fetch import DEFAULT_USER_AGENT
+def search_client(endpoint: str, *, timeout: float = 15.0, allow_private: bool = False,
+                  allow_networks: Iterable[str] = ()) -> "HttpClient":
+    """The HTTP client of one search endpoint: the endpoint's own origin (scheme, host, port) is
+    trusted, as the user configured it (often localhost); every redirect elsewhere goes through
+    the address policy (loopback, private, metadata refused unless ``allow_private``), with a
+    total time budget of ``timeout`` per attempt and a 20 MB size cap."""
+    from sptool.corpus.policy import network_policy
+    from sptool.net import HttpClient
 
-    request = urllib.request.Request(url, headers={"User-Agent": user_agent or DEFAULT_USER_AGENT,
-                                                   "Accept": "application/json", **(headers or {})})
+    return HttpClient(network_policy(allow_private=allow_private, allow_networks=allow_networks),
+                      timeout=timeout, retries=1, backoff=0.5, max_bytes=20_000_000,
+                      trusted=[endpoint], total_s=timeout)
+
+
+def http_get_json(url: str, *, client: "HttpClient", headers: dict | None = None) -> dict:
+    """GET a JSON document from a search endpoint through its :func:`search_client`."""
+    from sptool.net import HttpError
+
+    where = url.split("?")[0]
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            data = response.read(20_000_000)
-    except urllib.error.HTTPError as exc:
-        raise SearchError(f"search endpoint {url.split('?')[0]} answered HTTP {exc.code}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise SearchError(f"search endpoint {url.split('?')[0]} unreachable ({reason})") from None
-    try:
-        return json.loads(data)
-    except ValueError:
-        raise SearchError(f"search endpoint {url.split('?')[0]} did not answer JSON") from None
+        data = client.get_json(url, headers=headers)
+    except HttpError as error:
+        if error.category == "http-error" and error.status:
+            raise SearchError(f"search endpoint {where} answered HTTP {error.status}") from None
+        if error.category == "bad-answer":
+            raise SearchError(f"search endpoint {where} did not answer JSON") from None
+        raise SearchError(f"search endpoint {where} failed ({error.category}: {error.detail})") from None
+    if not isinstance(data, dict):
+        raise SearchError(f"search endpoint {where} did not answer a JSON object")
+    return data
 
 
 _TAG = re.compile(r"<[^>]+>")
@@ -91,7 +107,8 @@ class SearxngSearch:
 
     name = "searxng"
 
-    def __init__(self, url: str | None, *, timeout: float = 15.0, **_: object):
+    def __init__(self, url: str | None, *, timeout: float = 15.0, allow_private: bool = False,
+                 allow_networks: Iterable[str] = (), **_: object):
         if not url:
             raise UsageError("--search searxng needs --search-url (e.g. http://localhost:8888) "
                              "or SPTOOL_SEARCH_URL")
@@ -99,10 +116,12 @@ class SearxngSearch:
         if not self.url.endswith("/search"):
             self.url += "/search"
         self.timeout = timeout
+        self.client = search_client(self.url, timeout=timeout, allow_private=allow_private,
+                                    allow_networks=allow_networks)
 
     def search(self, query: str, limit: int) -> list[SearchResult]:
         params = urllib.parse.urlencode({"q": query, "format": "json"})
-        data = http_get_json(f"{self.url}?{params}", timeout=self.timeout)
+        data = http_get_json(f"{self.url}?{params}", client=self.client)
         results = []
         for item in data.get("results", []) or []:
             if isinstance(item, dict) and item.get("url"):
@@ -120,17 +139,20 @@ class WikipediaSearch:
     name = "wikipedia"
     DEFAULT_URL = "https://en.wikipedia.org/w/api.php"
 
-    def __init__(self, url: str | None = None, *, timeout: float = 15.0, **_: object):
+    def __init__(self, url: str | None = None, *, timeout: float = 15.0, allow_private: bool = False,
+                 allow_networks: Iterable[str] = (), **_: object):
         self.api = url or self.DEFAULT_URL
         if not self.api.endswith(".php"):
             self.api = self.api.rstrip("/") + "/w/api.php"
         parts = urllib.parse.urlsplit(self.api)
         self.page_base = f"{parts.scheme}://{parts.netloc}/wiki/"
         self.timeout = timeout
+        self.client = search_client(self.api, timeout=timeout, allow_private=allow_private,
+                                    allow_networks=allow_networks)
 
     def _get(self, **params) -> dict:
         params = {"format": "json", "formatversion": "2", **params}
-        return http_get_json(f"{self.api}?{urllib.parse.urlencode(params)}", timeout=self.timeout)
+        return http_get_json(f"{self.api}?{urllib.parse.urlencode(params)}", client=self.client)
 
     def search(self, query: str, limit: int) -> list[SearchResult]:
         data = self._get(action="query", list="search", srsearch=query, srlimit=str(limit),
@@ -164,16 +186,19 @@ class BraveSearch:
     DEFAULT_URL = "https://api.search.brave.com/res/v1/web/search"
     KEY_ENV = "SPTOOL_BRAVE_API_KEY"
 
-    def __init__(self, url: str | None = None, *, timeout: float = 15.0, **_: object):
+    def __init__(self, url: str | None = None, *, timeout: float = 15.0, allow_private: bool = False,
+                 allow_networks: Iterable[str] = (), **_: object):
         self.key = os.environ.get(self.KEY_ENV, "").strip()
         if not self.key:
             raise UsageError(f"--search brave needs an API key in {self.KEY_ENV}")
         self.url = url or self.DEFAULT_URL
         self.timeout = timeout
+        self.client = search_client(self.url, timeout=timeout, allow_private=allow_private,
+                                    allow_networks=allow_networks)
 
     def search(self, query: str, limit: int) -> list[SearchResult]:
         params = urllib.parse.urlencode({"q": query, "count": str(min(limit, 20))})
-        data = http_get_json(f"{self.url}?{params}", timeout=self.timeout,
+        data = http_get_json(f"{self.url}?{params}", client=self.client,
                              headers={"X-Subscription-Token": self.key})
         results = []
         for item in ((data.get("web") or {}).get("results") or []):
@@ -293,12 +318,14 @@ SEARCH_BACKENDS: Registry[Callable[..., SearchBackend]] = Registry("search backe
 })
 
 
-def load_search(spec: str, *, url: str | None = None, timeout: float = 15.0) -> SearchBackend:
-    """A search backend from ``--search`` (``searxng``, ``wikipedia``, ``brave``, ``local:PATH``)."""
+def load_search(spec: str, *, url: str | None = None, timeout: float = 15.0, allow_private: bool = False,
+                allow_networks: Iterable[str] = ()) -> SearchBackend:
+    """A search backend from ``--search`` (``searxng``, ``wikipedia``, ``brave``, ``local:PATH``).
+    ``allow_private``/``allow_networks`` apply to redirects away from the configured endpoint."""
     name, _, argument = spec.partition(":")
     factory = SEARCH_BACKENDS.get(name.strip().lower())
     if factory is LocalSearch:
         return LocalSearch(argument or url or "")
     if argument:
         url = url or argument
-    return factory(url, timeout=timeout)
+    return factory(url, timeout=timeout, allow_private=allow_private, allow_networks=list(allow_networks))
