@@ -343,6 +343,22 @@ def make_logged_trainer(model_dir, log, **options):
     return PolicyTrainer(TrainConfig(model=model_dir, **options), log=log)
 
 
+def test_cli_budget_scales_the_dr_grpo_loss_and_no_entropy_drops_the_metric(cli, random_model_dir, tmp_path):
+    """Through the CLI: at ratio 1 the Dr. GRPO loss is Σ −A_i |y_i| / (N · L), so halving
+    --max-completion-tokens doubles it exactly; --no-entropy reports no entropy."""
+    groups = write_jsonl(tmp_path / "groups.jsonl", GROUPS[:2])
+    losses_by_budget = {}
+    for budget in (64, 32):
+        metrics = tmp_path / f"m{budget}.jsonl"
+        result = cli(["train-step", groups, "-m", random_model_dir, "-o", tmp_path / f"out{budget}", "-q",
+                      "--max-completion-tokens", budget, "--no-entropy", "--no-compile", "--metrics", metrics])
+        assert result.exit_code == 0, result.output
+        record = read_jsonl(metrics)[0]
+        assert record["entropy"] is None
+        losses_by_budget[budget] = record["loss"]
+    assert losses_by_budget[64] != 0 and losses_by_budget[32] == pytest.approx(2 * losses_by_budget[64], rel=1e-5)
+
+
 def test_train_step_help_lists_the_speed_and_normaliser_options(sptool):
     result = sptool("train-step", "--help", env={"COLUMNS": "200"})
     for option in ("--max-completion-tokens", "--full-logits", "--no-entropy", "--compile"):

@@ -708,7 +708,7 @@ class PolicyTrainer:
             logprobs, old, ref, as_tensor(advantages), as_tensor(token_weights),
             clip_low=config.clip_low, clip_high=config.clip_high, beta=config.beta)
         with torch.no_grad():
-            entropy = token_entropy(selected.detach())
+            entropy = token_entropy(selected.detach()) if config.entropy else torch.zeros(1, device=device)
             stats = torch.stack([
                 loss.detach().double(), clipped.sum().double(),
                 kl.sum().double() if kl is not None else torch.zeros((), dtype=torch.float64, device=device),
@@ -812,7 +812,7 @@ class PolicyTrainer:
             "clip_fraction": clipped / tokens if trained else 0.0,
             "ratio_mean": ratio_sum / tokens if trained else 1.0,
             "kl": kl_sum / tokens if trained and self.config.beta > 0 else None,
-            "entropy": entropy_sum / tokens if trained else None,
+            "entropy": entropy_sum / tokens if trained and self.config.entropy else None,
             "completion_tokens": int(completion_tokens),
             "tokens": int(all_tokens),
             "tokens_per_s": all_tokens / seconds if trained and seconds > 0 else 0.0,
