@@ -503,3 +503,149 @@ def test_allow_private_lets_a_redirect_reach_loopback_but_never_metadata(hostile
     for name, call in _clients(hostile.base, 5.0, allow_private=True).items():
         if name != "corpus fetch":
             assert "link-local/metadata" in _outcome(call), name
+
+
+# ---------------------------------------------------------------- 5. one line for environment failures
+
+def test_directory_input_and_directory_output_are_one_line(tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", [SOLVED])
+    line = one_error_line(run_sptool("verify", "--workers", "0", str(tmp_path)))
+    assert f"{tmp_path}: is a directory" in line
+    line = one_error_line(run_sptool("verify", "--workers", "0", str(source), "-o", str(tmp_path)))
+    assert "is a directory; refusing to replace it" in line
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads and writes regardless of permissions")
+def test_unreadable_input_and_read_only_output_directory_are_one_line(tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", [SOLVED])
+    source.chmod(0)
+    assert "cannot open (Permission denied)" in one_error_line(run_sptool("verify", "--workers", "0", str(source)))
+    source.chmod(0o644)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    line = one_error_line(run_sptool("verify", "--workers", "0", str(source), "-o", str(locked / "out.jsonl")))
+    assert "is not writable" in line
+
+
+def test_corrupt_and_truncated_gz_inputs_name_the_file(tmp_path):
+    import gzip
+
+    fake = tmp_path / "fake.jsonl.gz"
+    fake.write_text(json.dumps(SOLVED) + "\n")
+    truncated = tmp_path / "cut.jsonl.gz"
+    whole = gzip.compress("".join(json.dumps(dict(SOLVED, id=f"s{i}")) + "\n" for i in range(2000)).encode())
+    truncated.write_bytes(whole[:len(whole) // 2])  # a download cut in the middle
+    for path in (fake, truncated):
+        line = one_error_line(run_sptool("verify", "--workers", "0", str(path)))
+        assert str(path) in line, line
+        assert "Aborted" not in line
+
+
+def test_eval_refuses_an_empty_benchmark_and_names_benchmarks_with_one_stem_apart(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    line = one_error_line(run_sptool("eval", str(empty), "--backend", "scripted", "-k", "1", "--pass-at", "1"))
+    assert f"{empty}: no problems" in line
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = write_jsonl(tmp_path / "a" / "bench.jsonl", [{"question": "1+1?", "answer": "2"}])
+    b = write_jsonl(tmp_path / "b" / "bench.jsonl", [{"question": "2+2?", "answer": "4"}] * 2)
+    result = run_sptool("eval", str(a), str(b), "--backend", "scripted", "-k", "1", "--pass-at", "1",
+                        "--workers", "0", "--json", "-q")
+    assert result.returncode == 0, result.stderr
+    benchmarks = json.loads(result.stdout)["benchmarks"]
+    assert [(x["name"], x["problems"]) for x in benchmarks] == [(str(a), 1), (str(b), 2)]
+
+
+def test_a_full_disk_is_one_line_exit_1_and_leaves_nothing_behind(tmp_path):
+    """ENOSPC: a real full file system (a 64 KiB tmpfs) where mounting is allowed; the handler
+    with a real ENOSPC from /dev/full everywhere."""
+    from sptool.cli.main import describe_os_error
+
+    try:
+        with open("/dev/full", "w") as handle:
+            handle.write("x")
+            handle.flush()
+    except OSError as error:
+        text = describe_os_error(error)
+        assert "No space left on device" in text and "disk is full" in text
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (not root); the handler was checked above")
+    try:
+        big = dict(SOLVED, padding="x" * 4000)
+        source = write_jsonl(tmp_path / "in.jsonl", [dict(big, id=f"s{i}") for i in range(60)])
+        out = mount / "out.jsonl"
+        result = run_sptool("verify", "--workers", "0", "-q", str(source), "-o", str(out))
+        line = one_error_line(result, code=1)
+        assert "No space left on device" in line, line
+        assert not out.exists() and not list(mount.glob(".sptool-*"))
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def _slow_verify(tmp_path, out):
+    record = {"question": "q", "answer": "2", "samples": [{"text": SLOW_SAMPLE + str(i)} for i in range(40)]}
+    source = write_jsonl(tmp_path / "slow.jsonl", [SOLVED] * 3 + [record])
+    return subprocess.Popen([*SPTOOL, "verify", "--workers", "1", "--deadline", "600", "-q", str(source),
+                             "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def _wait_for_temp(directory, process, seconds=120):
+    import time
+
+    until = time.monotonic() + seconds
+    while time.monotonic() < until and process.poll() is None:
+        temps = list(directory.glob(".sptool-*.part"))
+        if temps:
+            return temps
+        time.sleep(0.2)
+    raise AssertionError("no temporary output file appeared")
+
+
+def test_sigterm_removes_the_temporary_output_and_stops_the_workers(tmp_path):
+    import signal
+
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    process = _slow_verify(tmp_path, out_dir / "graded.jsonl")
+    try:
+        _wait_for_temp(out_dir, process)
+        workers = _children(process.pid)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 143, stderr
+    assert "Traceback" not in stderr and "terminated" in stderr
+    assert not list(out_dir.iterdir())  # no temp file, no half output
+    import time
+    time.sleep(1.5)
+    assert not any(_alive(pid) for pid in workers)
+
+
+def test_temp_files_of_a_killed_run_are_removed_at_the_next_start(tmp_path):
+    import signal
+
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    process = _slow_verify(tmp_path, out_dir / "graded.jsonl")
+    try:
+        [stale] = _wait_for_temp(out_dir, process)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert stale.exists()  # SIGKILL runs no cleanup
+    legacy_live = out_dir / ".sptool-not-ours.part"  # no pid in the name and recent: kept
+    legacy_live.write_text("")
+    source = write_jsonl(tmp_path / "in.jsonl", [SOLVED])
+    result = run_sptool("verify", "--workers", "0", "-q", str(source), "-o", str(out_dir / "next.jsonl"))
+    assert result.returncode == 0, result.stderr
+    assert not stale.exists() and legacy_live.exists()
+    assert read_jsonl(out_dir / "next.jsonl")[0]["p_hat"] == 0.5

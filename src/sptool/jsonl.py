@@ -42,9 +42,12 @@ def open_binary_input(path: str | os.PathLike | None) -> IO[bytes]:
         raise InputError("no such file", source=path)
     if os.path.isdir(path):
         raise InputError("is a directory, expected a JSONL file", source=path)
-    if path.endswith(".gz"):
-        return gzip.open(path, "rb")
-    return open(path, "rb")
+    try:
+        if path.endswith(".gz"):
+            return gzip.open(path, "rb")
+        return open(path, "rb")
+    except OSError as exc:  # unreadable: permissions, a broken mount
+        raise InputError(f"cannot open ({exc.strerror or exc})", source=path) from None
 
 
 def _parse_line(raw: bytes, kind: RecordKind, source: str, number: int) -> dict:

@@ -16,6 +16,12 @@ def register(app: typer.Typer) -> None:
     app.command("eval")(evaluate)
 
 
+def benchmark_names(paths: List[str]) -> List[str]:
+    """One name per benchmark file: its stem, or its path where two files share a stem."""
+    stems = [Path(path).name.removesuffix(".gz").removesuffix(".jsonl") for path in paths]
+    return [path if stems.count(stem) > 1 else stem for stem, path in zip(stems, paths)]
+
+
 @common.backend_options()
 def evaluate(
     benchmarks: List[str] = typer.Argument(..., help="Benchmark JSONL files (fields: question, answer)."),
@@ -49,8 +55,13 @@ def evaluate(
     ks = parse_ks(pass_at)
     spec = common.load_prompt_option("solve", prompt, prefix, stop)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens, seed=seed)
-    records_by_name = {Path(path).stem.removesuffix(".jsonl"): list(read_records(path, QUESTION))
-                       for path in benchmarks}
+    from sptool.records import InputError
+
+    records_by_name = {}
+    for name, path in zip(benchmark_names(benchmarks), benchmarks):
+        records_by_name[name] = list(read_records(path, QUESTION))
+        if not records_by_name[name]:
+            raise InputError("no problems in this benchmark file (empty)", source=str(path))
     engine = backend_options.load(quiet)
     model = backend_options.model
     results, graded_all = [], []

@@ -37,6 +37,37 @@ class SptoolGroup(TyperGroup):
         except KeyboardInterrupt:
             typer.echo("sptool: interrupted", err=True)
             raise typer.Exit(130) from None
+        except Terminated:
+            typer.echo("sptool: terminated (SIGTERM); no output was committed", err=True)
+            raise typer.Exit(143) from None
+        except OSError as error:  # the environment: full disk, permissions, a vanished directory
+            if os.environ.get("SPTOOL_TRACEBACK"):
+                raise
+            typer.echo(f"sptool: error: {describe_os_error(error)}", err=True)
+            raise typer.Exit(1) from None
+
+
+class Terminated(BaseException):
+    """Raised in the main thread on SIGTERM, so that every ``with`` block unwinds: temporary
+    output files are removed, worker pools are closed, nothing half-written is committed."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
+def describe_os_error(error: OSError) -> str:
+    """One line for an environment failure: the file and what went wrong."""
+    import errno
+
+    reason = error.strerror or str(error) or type(error).__name__
+    where = error.filename if error.filename not in (None, "") else None
+    hints = {errno.ENOSPC: " (the disk is full: free space and run again; nothing was committed)",
+             errno.EDQUOT: " (disk quota exceeded; nothing was committed)",
+             errno.EROFS: " (read-only file system)",
+             errno.EACCES: " (permission denied: check the file and its directory)"}
+    text = f"{where}: {reason}" if where else reason
+    return text + hints.get(error.errno, "")
 
 
 app = typer.Typer(
@@ -90,6 +121,7 @@ def main() -> None:
     # Unix pipe hygiene: `sptool … | head` ends quietly instead of a BrokenPipeError traceback.
     if hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, _terminate)
     app(prog_name="sptool")
 
 
