@@ -55,13 +55,8 @@ def evaluate(
     ks = parse_ks(pass_at)
     spec = common.load_prompt_option("solve", prompt, prefix, stop)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens, seed=seed)
-    from sptool.records import InputError
-
-    records_by_name = {}
-    for name, path in zip(benchmark_names(benchmarks), benchmarks):
-        records_by_name[name] = list(read_records(path, QUESTION))
-        if not records_by_name[name]:
-            raise InputError("no problems in this benchmark file (empty)", source=str(path))
+    records_by_name = {name: list(read_records(path, QUESTION))
+                       for name, path in zip(benchmark_names(benchmarks), benchmarks)}
     engine = backend_options.load(quiet)
     model = backend_options.model
     results, graded_all = [], []
@@ -86,7 +81,7 @@ def evaluate(
     for r in results:
         greedy = "-" if r.greedy_accuracy is None else f"{r.greedy_accuracy:.3f}"
         table.add_row(r.name, str(r.problems), greedy, f"{r.mean_at_k:.3f}",
-                      *[f"{r.pass_at[k]:.3f}" for k in ks])
+                      *[f"{r.pass_at[k]:.3f}" if k in r.pass_at else "-" for k in ks])
     from rich.console import Console
 
     Console().print(table)
