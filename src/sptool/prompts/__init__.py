@@ -70,14 +70,16 @@ ROLES: dict[str, tuple[str, tuple[str, ...], str]] = {
 PACKAGED: dict[str, dict[str, Packaged]] = {
     "solve": {
         "math": Packaged("solve_math.txt", "reason step by step, final answer in \\boxed{}"),
-        "direct": Packaged("solve_direct.txt", "the final answer only: the reply starts with "
-                           "\\boxed{ and ends at } (short token budgets)", prefix="\\boxed{", stop=("}",)),
+        "direct": Packaged("solve_direct.txt", "the final answer only (two worked examples show the "
+                           "format): the reply starts with \\boxed{ and ends at } (short token budgets, "
+                           "small models)", prefix="\\boxed{", stop=("}",)),
     },
     "validity": {
         "validity": Packaged("solve_validity.txt", "reason step by step, \\boxed{answer} or "
                              "\\boxed{INVALID} for a flawed problem"),
-        "direct": Packaged("solve_validity_direct.txt", "the final answer or INVALID only: the reply "
-                           "starts with \\boxed{ and ends at }", prefix="\\boxed{", stop=("}",)),
+        "direct": Packaged("solve_validity_direct.txt", "the final answer or INVALID only (three examples, "
+                           "one flawed): the reply starts with \\boxed{ and ends at }", prefix="\\boxed{",
+                           stop=("}",)),
     },
     "questioner": {
         "rzero": Packaged("challenge_nothing.txt", "one hard competition problem in <question></question>, "
