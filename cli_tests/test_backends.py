@@ -500,3 +500,21 @@ def test_serve_command_enables_weight_updates(tiny_model_dir):
     argv, env = server_command(ServeOptions(model="tiny"), on_gpu=True, environ={})
     assert "--enable-lora" not in argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
     assert "--enforce-eager" not in argv and env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_response_prefix_and_stop_strings_alike_in_hf_vllm_and_openai(vllm_server, vllm_backend, hf_backend):
+    """The reply starts with the prefix (rendered after the assistant header, returned in the
+    text) and ends right after the first stop string, with finish_reason "stop", in all three."""
+    from sptool.models.base import SamplingParams, load_backend
+
+    openai = load_backend("openai", "tiny", base_url=vllm_server["base_url"],
+                          served_model=vllm_server["model"])
+    prompt = [{"role": "user", "content": "Count from 1 to 20, separated by commas."},
+              {"role": "assistant", "content": "1, 2, 3,"}]
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, stop=(" 6",))
+    for backend in (hf_backend, vllm_backend, openai):
+        assert backend.render(prompt).endswith("<|im_start|>assistant\n1, 2, 3,")
+        sample = backend.generate([prompt], 1, params)[0][0]
+        assert (sample.text, sample.finish_reason, sample.stop_string) == ("1, 2, 3, 4, 5, 6", "stop", " 6"), \
+            backend.name
+        assert 1 <= sample.n_tokens < 24 and hf_backend.tokenizer.eos_token_id not in (sample.token_ids or [])

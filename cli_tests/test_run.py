@@ -104,6 +104,28 @@ def test_recipes_show_papers_defaults(cli):
     assert rquest["train"]["shared_policy"] is False
 
 
+def test_prompts_section_resolves_names_files_prefix_and_stop(cli, tmp_path):
+    from sptool.recipes import load_config, to_toml
+
+    config = load_config("rquest", tiny=True)
+    p = config["prompts"]
+    # the --tiny preset's shapes, with the packaged prompts' own prefix and stop strings recorded
+    assert (p["questioner"], p["questioner_prefix"], p["questioner_stop"]) == ("arithmetic", "<question>",
+                                                                           ["?", "</question>"])
+    assert (p["solve"], p["solve_prefix"], p["solve_stop"]) == ("direct", "\\boxed{", ["}"])
+    assert load_config("rquest")["prompts"]["questioner"] == "rzero"  # paper scale: R-Zero's prompt
+    template = tmp_path / "solve.txt"
+    template.write_text("Q: {question}")
+    config = load_config("rzero", sets=[f"prompts.solve={template}", 'prompts.solve_stop=["\\n", "Q:"]'])
+    assert config["prompts"]["solve"] == str(template) and config["prompts"]["solve_stop"] == ["\n", "Q:"]
+    assert 'solve_stop = ["\\n", "Q:"]' in to_toml(config)
+    result = cli(["recipes", "show", "rzero", "--set", "prompts.questioner=arithmetc"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "sptool: error: key 'prompts.questioner': unknown questioner prompt 'arithmetc'. Did you mean "
+        "'arithmetic'? Packaged questioner prompts: rzero, arithmetic; or give a template file path")
+
+
 def test_merge_order_set_beats_config_beats_tiny_beats_recipe(cli, tmp_path):
     from sptool.recipes import load_config
 
@@ -206,6 +228,15 @@ def test_scripted_recipe_runs_every_stage(recipe, tmp_path, random_policy):
         verified = read_jsonl(run_dir / "iter-0001" / ("03-q1-verify.jsonl" if recipe == "rzero"
                                                          else "05-q1-verify.jsonl"))
         assert all(v["majority"] == "42" for v in verified if v.get("samples"))
+        # the --tiny prompts: the direct solver's reply starts at \boxed{ and ends at }, the
+        # questioner writes in two steps; groups mark the stop-string ends (train-step adds no EOS)
+        assert all(v["solve_prompt"][-1] == {"role": "assistant", "content": "\\boxed{"}
+                   for v in verified if v.get("samples"))
+        questions = read_jsonl(run_dir / "iter-0001" / "01-q1-challenge.jsonl")
+        assert [q["raw"] for q in questions][:2] == ["<question>What is 40 + 2?</question>\n\\boxed{42}",
+                                                     "<question>What is 6 * 7?</question>\n\\boxed{42}"]
+        solver_groups = [g for g in groups if g["role"] == "solver"]
+        assert solver_groups and all(g["stop_strings"] == ["}"] * len(g["completions"]) for g in solver_groups)
         if recipe == "rquest":
             assert "validity" in roles  # replay of the validity-initialisation set
             novelty = read_jsonl(run_dir / "iter-0001" / "06-q1-novelty.jsonl")

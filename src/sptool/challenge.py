@@ -267,6 +267,8 @@ def _sample_fields(sample: Sample) -> dict[str, Any]:
                               "finish_reason": sample.finish_reason}
     if sample.logprobs is not None:
         fields["logprobs"] = sample.logprobs
+    if sample.stop_string is not None:
+        fields["stop_string"] = sample.stop_string
     return fields
 
 

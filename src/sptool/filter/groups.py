@@ -96,6 +96,14 @@ def finish_reasons_of(items: list[dict]) -> list | None:
     return None
 
 
+def stop_strings_of(items: list[dict]) -> list | None:
+    """Each completion's ``stop_string`` (or None) when any ended at a stop string: train-step
+    appends no EOS to those (the sampler never emitted one)."""
+    if any(item.get("stop_string") for item in items):
+        return [item.get("stop_string") for item in items]
+    return None
+
+
 def sample_logprobs(samples: list[dict]) -> list | None:
     if samples and all(isinstance(s.get("logprobs"), list) for s in samples):
         return [s["logprobs"] for s in samples]
@@ -163,7 +171,7 @@ class TrainingGroupFilter(Stage):
 
     def group(self, role: str, prompt: Any, completions: list[str], rewards: list[float], *,
               sources: list[dict], group_id: Any = None, old_logprobs: list | None = None,
-              finish_reasons: list | None = None, **extra: Any) -> dict:
+              finish_reasons: list | None = None, stop_strings: list | None = None, **extra: Any) -> dict:
         source_ids = [s.get("id") for s in sources]
         record = {
             "id": content_id("group", self.recipe, role, source_ids, prompt, completions),
@@ -180,6 +188,8 @@ class TrainingGroupFilter(Stage):
         if finish_reasons is not None and len(finish_reasons) == len(completions):
             # train-step appends EOS only to completions that stopped, not to truncated ones
             record["finish_reasons"] = finish_reasons
+        if stop_strings is not None and len(stop_strings) == len(completions):
+            record["stop_strings"] = stop_strings
         record["source_ids"] = source_ids
         record["group_id"] = group_id
         for key in LINEAGE_FIELDS:
@@ -200,7 +210,8 @@ class TrainingGroupFilter(Stage):
         return self.group("solver", prompt, [s["text"] for s in samples], rewards,
                           sources=[record], group_id=record.get("group_id"),
                           old_logprobs=sample_logprobs(samples), question=record.get("question"),
-                          finish_reasons=finish_reasons_of(samples), **extra)
+                          finish_reasons=finish_reasons_of(samples), stop_strings=stop_strings_of(samples),
+                          **extra)
 
     def generator_group(self, role: str, members: list[dict], rewards: list[float],
                         **extra: Any) -> dict | None:
@@ -218,7 +229,8 @@ class TrainingGroupFilter(Stage):
                     if all(isinstance(m.get("logprobs"), list) for m in members) else None)
         return self.group(role, prompts[0], [m["raw"] for m in members], rewards, sources=members,
                           group_id=members[0].get("group_id"), old_logprobs=logprobs,
-                          finish_reasons=finish_reasons_of(members), **extra)
+                          finish_reasons=finish_reasons_of(members), stop_strings=stop_strings_of(members),
+                          **extra)
 
     def without_verify_errors(self, records: list[dict]) -> list[dict]:
         kept = []

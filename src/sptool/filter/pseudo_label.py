@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 from sptool import rewards as R
-from sptool.filter.groups import (TrainingGroupFilter, contiguous_batches, generation_prompt, has_boxed_answer,
-                                  is_parsed, sample_logprobs, samples_of, verdict, verify_error_of)
+from sptool.filter.groups import (TrainingGroupFilter, contiguous_batches, finish_reasons_of,
+                                  generation_prompt, has_boxed_answer, is_parsed, sample_logprobs,
+                                  samples_of, stop_strings_of, verdict, verify_error_of)
 from sptool.records import InputError, content_id
 from sptool.settings import setting
 
@@ -205,6 +206,7 @@ class ValidityGroups:
         return self.group("validity", prompt, [s["text"] for s in samples], rewards,
                           sources=[record], group_id=record.get("group_id"),
                           old_logprobs=sample_logprobs(samples), question=record.get("question"),
+                          finish_reasons=finish_reasons_of(samples), stop_strings=stop_strings_of(samples),
                           problem_invalid=invalid)
 
 

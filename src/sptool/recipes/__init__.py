@@ -143,11 +143,65 @@ RECIPE_SCHEMA: dict[str, dict[str, Any]] = {
 }
 
 
+# The prompt roles each recipe asks a model in (sptool.prompts.ROLES). Its [prompts] section has,
+# per role, the prompt (a packaged name or a template file), the response prefix and the stop
+# strings; an empty prefix or stop list means the prompt's own (a packaged prompt brings them).
+PROMPT_ROLES: dict[str, tuple[str, ...]] = {
+    "wist": ("solve", "challenger", "tree"),
+    "svs": ("solve", "synthesis"),
+    "rzero": ("solve", "questioner"),
+    "rquest": ("solve", "validity", "questioner", "novelty"),
+}
+
+
+def prompts_schema(recipe: str) -> dict[str, Any]:
+    from sptool.prompts import default_prompt
+
+    section: dict[str, Any] = {}
+    for role in PROMPT_ROLES[recipe]:
+        section[role] = default_prompt(role)
+        section[f"{role}_prefix"] = ""
+        section[f"{role}_stop"] = []
+        if role == "questioner":  # the optional answer step (see sptool.prompts)
+            section.update(questioner_answer_prefix="", questioner_answer_stop=[],
+                           questioner_answer_max_tokens=0)
+    return section
+
+
 def schema_for(recipe: str) -> dict[str, dict[str, Any]]:
     check_recipe_name(recipe)
     schema = copy.deepcopy(COMMON_SCHEMA)
     schema[recipe] = copy.deepcopy(RECIPE_SCHEMA[recipe])
+    schema["prompts"] = prompts_schema(recipe)
     return schema
+
+
+def prompt_spec(config: dict, role: str):
+    """The :class:`sptool.prompts.PromptSpec` of ``role`` that ``config['prompts']`` describes."""
+    from sptool.prompts import load_prompt
+
+    p = config["prompts"]
+    options: dict[str, Any] = dict(prefix=p[f"{role}_prefix"] or None, stop=p[f"{role}_stop"] or None)
+    if role == "questioner":
+        options.update(answer_prefix=p["questioner_answer_prefix"] or None,
+                       answer_stop=p["questioner_answer_stop"] or None,
+                       answer_max_tokens=p["questioner_answer_max_tokens"] or None)
+    try:
+        return load_prompt(role, p[role], **options)
+    except UsageError as exc:
+        raise UsageError(f"key 'prompts.{role}': {exc}") from None
+
+
+def resolve_prompts(config: dict) -> None:
+    """Check every role's prompt and write the prefix and stop strings it uses into the config
+    (a packaged prompt's own where the keys are empty), so the run records what it used."""
+    p = config["prompts"]
+    for role in PROMPT_ROLES[config["recipe"]]:
+        spec = prompt_spec(config, role)
+        p[f"{role}_prefix"], p[f"{role}_stop"] = spec.prefix, list(spec.stop)
+        if role == "questioner":
+            p.update(questioner_answer_prefix=spec.answer_prefix, questioner_answer_stop=list(spec.answer_stop),
+                     questioner_answer_max_tokens=spec.answer_max_tokens if spec.answer_prefix else 0)
 
 
 def check_recipe_name(name: str) -> None:
@@ -216,6 +270,13 @@ def coerce(key: str, default: Any, value: Any, source: str) -> Any:
         if not isinstance(value, str):
             raise fail()
         return value
+    if isinstance(default, list) and all(isinstance(v, str) for v in default):  # strings: any number
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise UsageError(f"{source}: key '{key}': expected a list of non-empty strings, got "
+                             f"{json.dumps(value)}")
+        return list(value)
     if isinstance(default, list):
         if not isinstance(value, list) or len(value) != len(default) or \
                 not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
@@ -305,7 +366,9 @@ def load_config(recipe: str, *, tiny: bool = False, config_file: str | None = No
         apply_layer(config, layer, schema, config_file)
     apply_layer(config, sets_to_layer(sets, recipe, schema), schema, "--set")
     check_values(config, recipe)
-    return {"recipe": recipe, "tiny": tiny, **config}
+    config = {"recipe": recipe, "tiny": tiny, **config}
+    resolve_prompts(config)
+    return config
 
 
 def check_values(config: dict, recipe: str) -> None:

@@ -87,7 +87,8 @@ class RZero(Recipe):
 
             stage = NothingChallengeStage(self.session.policy("questioner").backend, unseeded=True,
                                           candidates=questions, params=self.session.params(ctx.seed),
-                                          batch_size=self.c.questioner_group)
+                                          batch_size=self.c.questioner_group,
+                                          prompt=self.session.prompt("questioner"))
             return ctx.run_stage(stage, [])
         return challenge
 
@@ -95,7 +96,7 @@ class RZero(Recipe):
         from sptool.novelty import NoveltyStage
 
         stage = NoveltyStage(self.session.judge, k=self.c.novelty_k, seed=ctx.seed,
-                             max_new_tokens=self.c.novelty_max_tokens)
+                             max_new_tokens=self.c.novelty_max_tokens, prompt=self.session.prompt("novelty"))
         return ctx.run_stage(stage, records)
 
 

@@ -73,5 +73,6 @@ class Svs(Recipe):
         c = self.c
         stage = SolutionChallengeStage(self.session.policy("policy").backend, candidates=c.variants,
                                        params=self.session.params(ctx.seed), band=tuple(c.band),
-                                       max_solutions=c.max_solutions, batch_size=CHALLENGE_BATCH)
+                                       max_solutions=c.max_solutions, batch_size=CHALLENGE_BATCH,
+                                       prompt=self.session.prompt("synthesis"))
         return ctx.run_stage(stage, [r for r in records if r.get("samples")])

@@ -76,7 +76,7 @@ class Wist(Recipe):
                                 max_new_tokens=c.expand_max_tokens, seed=ctx.seed)
         options = ExpandOptions(tau_wiki=c.tau_wiki, max_attempts=c.max_attempts, max_children=c.max_children)
         expander = TreeExpander(self.session.policy("policy").backend, titles, params=params,
-                                options=options, log=self.session.say)
+                                options=options, log=self.session.say, prompt=self.session.prompt("tree"))
         out = expander.expand(tree, c.paths, ctx.seed)
         ctx.advance(len(out))
         self.save_tree(ctx, tree)
@@ -119,7 +119,8 @@ class Wist(Recipe):
 
         stage = DocumentChallengeStage(self.session.policy("policy").backend, candidates=self.c.candidates,
                                        params=self.session.params(ctx.seed), batch_size=CHALLENGE_BATCH,
-                                       max_document_chars=self.c.max_document_chars)
+                                       max_document_chars=self.c.max_document_chars,
+                                       prompt=self.session.prompt("challenger"))
         return ctx.run_stage(stage, records)
 
     def update_posterior(self, ctx: StepContext, records: list[dict]) -> list[dict]:

@@ -165,6 +165,12 @@ class Session:
         self._verifier.pseudo_label = pseudo_label
         return self._verifier
 
+    def prompt(self, role: str):
+        """The prompt of ``role`` from the run's ``[prompts]`` (a :class:`sptool.prompts.PromptSpec`)."""
+        from sptool.recipes import prompt_spec
+
+        return prompt_spec(self.config, role)
+
     def params(self, seed: int, max_tokens: int | None = None):
         from sptool.models.base import SamplingParams
 
@@ -200,7 +206,8 @@ class Session:
             from sptool.solve import SolveStage
 
             stage = SolveStage(self.policy(role).backend, samples=samples, mode=mode,
-                               params=self.params(ctx.seed), batch_size=SOLVE_BATCH)
+                               params=self.params(ctx.seed), batch_size=SOLVE_BATCH,
+                               prompt=self.prompt("validity" if mode == "validity" else "solve"))
             return ctx.run_stage(stage, records)
         return solve
 
@@ -268,7 +275,7 @@ class Session:
                 result, _ = evaluate_benchmark(
                     name, problems, backend, samples=e["samples"], ks=tuple(sorted({1, e["samples"]})),
                     params=self.params(ctx.seed, e["max_tokens"] or None), verifier=self.verifier(False),
-                    batch_size=SOLVE_BATCH)
+                    batch_size=SOLVE_BATCH, prompt=self.prompt("solve"))
                 out.append({"id": content_id("eval", name, after_iteration), "benchmark": name,
                             "after_iteration": after_iteration, **result.as_dict()})
                 ctx.advance()
