@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
@@ -24,6 +24,7 @@ def parse_band(text: str) -> tuple[float, float]:
     return low, high
 
 
+@common.prompt_options("challenger", "questioner", "synthesis")
 @common.backend_options()
 def challenge(
     input_path: Optional[str] = common.InputArg,
@@ -38,9 +39,6 @@ def challenge(
     top_p: float = common.TopPOpt,
     max_tokens: int = typer.Option(512, "--max-tokens", help="Maximum new tokens per generation."),
     seed: int = common.SeedOpt,
-    prompt: Optional[str] = common.prompt_opt("challenger", "questioner", "synthesis"),
-    prefix: Optional[str] = common.PrefixOpt,
-    stop: Optional[List[str]] = common.StopOpt,
     prompts_per_call: int = typer.Option(4, "--prompts-per-call",
                                          help="documents, solutions: prompts per backend call "
                                               "(each with --candidates samples)."),
@@ -61,6 +59,7 @@ def challenge(
     skip_invalid: bool = common.SkipInvalidOpt,
     rejects: Optional[str] = common.RejectsOpt,
     backend_options: common.BackendOptions = None,
+    prompt_options: common.PromptOptions = None,
 ) -> None:
     """Generate candidate questions; every generation is emitted with valid/invalid_reason.
 
@@ -70,7 +69,7 @@ def challenge(
     from sptool.challenge import MODES, make_challenge_stage
     from sptool.models.base import SamplingParams
 
-    spec = common.load_prompt_option(MODES.get(source).role, prompt, prefix, stop)
+    spec = prompt_options.load(MODES.get(source).role)
     options: dict = dict(candidates=candidates, prompt=spec,
                          batch_size=group_size if source == "nothing" else prompts_per_call,
                          params=SamplingParams(temperature=temperature, top_p=top_p,

@@ -12,7 +12,7 @@ import inspect
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import typer
 from rich.console import Console
@@ -54,31 +54,6 @@ RequireBoxedOpt = typer.Option(
 LogprobsOpt = typer.Option(False, "--logprobs", help="Store per-token log-probabilities.")
 
 
-# The prompt option group: the same three flags wherever a command prompts a model.
-def prompt_opt(*roles: str) -> Any:
-    """``--prompt NAME|FILE`` naming the packaged prompts of ``roles`` in its help."""
-    from sptool.prompts import PACKAGED, ROLES
-
-    choices = "; ".join(f"{role}: {', '.join(PACKAGED[role])} (default {ROLES[role][2]})" for role in roles)
-    return typer.Option(None, "--prompt", help=f"Packaged prompt name or a template file with {{field}} "
-                        f"placeholders. Packaged: {choices}.", rich_help_panel="Prompt")
-
-
-PrefixOpt = typer.Option(None, "--prefix", rich_help_panel="Prompt",
-                         help="Start the model's reply with this text (after the chat template's "
-                              "assistant header; part of the parsed text). Default: the prompt's own.")
-StopOpt = typer.Option(None, "--stop", rich_help_panel="Prompt",
-                       help="End generation at this string (kept in the text); repeat for several, "
-                            "--stop '' for none. Default: the prompt's own.")
-
-
-def load_prompt_option(role: str, prompt: Optional[str], prefix: Optional[str],
-                       stop: Optional[list[str]]):
-    """The :class:`sptool.prompts.PromptSpec` the three prompt flags describe."""
-    from sptool.prompts import load_prompt
-
-    stops = None if not stop else [item for item in stop if item]
-    return load_prompt(role, prompt, prefix=prefix, stop=stops)
 
 
 BaseUrlOpt = typer.Option(None, "--base-url", envvar="SPTOOL_BASE_URL",
@@ -132,20 +107,63 @@ def backend_options(model: Any = ModelOpt) -> Callable[[Callable], Callable]:
     """
     parameters = {name: (annotation, _in_panel(option, "Model and backend"))
                   for name, (annotation, option) in {**_BACKEND_PARAMETERS, "model": (str, model)}.items()}
+    return _option_group("backend_options", parameters, BackendOptions)
+
+
+@dataclass
+class PromptOptions:
+    """Which prompt to send and how the reply is shaped: ``--prompt NAME|FILE``, ``--prefix``,
+    ``--stop`` (the option group of every command that prompts a model)."""
+
+    prompt: Optional[str] = None
+    prefix: Optional[str] = None
+    stop: Optional[list[str]] = None
+
+    def load(self, role: str):
+        """The :class:`sptool.prompts.PromptSpec` of ``role`` these flags describe."""
+        from sptool.prompts import load_prompt
+
+        stops = None if not self.stop else [item for item in self.stop if item]
+        return load_prompt(role, self.prompt, prefix=self.prefix, stop=stops)
+
+
+PrefixOpt = typer.Option(None, "--prefix", help="Start the model's reply with this text (after the chat "
+                         "template's assistant header; part of the parsed text). Default: the prompt's own.")
+StopOpt = typer.Option(None, "--stop", help="End generation at this string (kept in the text); repeat for "
+                       "several, --stop '' for none. Default: the prompt's own.")
+
+
+def prompt_options(*roles: str) -> Callable[[Callable], Callable]:
+    """Decorator: add the prompt option group (its ``--prompt`` help lists the packaged prompts of
+    ``roles``) and hand it to the command as one ``prompt_options: PromptOptions``."""
+    from sptool.prompts import PACKAGED, ROLES
+
+    choices = "; ".join(f"{role}: {', '.join(PACKAGED[role])} (default {ROLES[role][2]})" for role in roles)
+    prompt = typer.Option(None, "--prompt", help=f"Packaged prompt name or a template file with {{field}} "
+                          f"placeholders. Packaged: {choices}.")
+    parameters = {name: (annotation, _in_panel(option, "Prompt")) for name, (annotation, option) in {
+        "prompt": (Optional[str], prompt), "prefix": (Optional[str], PrefixOpt),
+        "stop": (Optional[List[str]], StopOpt)}.items()}
+    return _option_group("prompt_options", parameters, PromptOptions)
+
+
+def _option_group(keyword: str, parameters: dict[str, tuple[Any, Any]], build: Callable) -> Callable:
+    """The decorator that adds ``parameters`` to a typer command and hands them over as one
+    ``keyword`` argument, ``build(**values)``."""
 
     def decorate(command: Callable) -> Callable:
         signature = inspect.signature(command)
-        own = [p for name, p in signature.parameters.items() if name != "backend_options"]
+        own = [p for name, p in signature.parameters.items() if name != keyword]
         added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
                  for name, (annotation, option) in parameters.items()]
 
         @functools.wraps(command)
         def wrapper(*args, **kwargs):
-            group = BackendOptions(**{name: kwargs.pop(name) for name in parameters})
-            return command(*args, backend_options=group, **kwargs)
+            group = build(**{name: kwargs.pop(name) for name in parameters})
+            return command(*args, **{keyword: group}, **kwargs)
 
         wrapper.__signature__ = signature.replace(parameters=own + added)  # type: ignore[attr-defined]
-        annotations = {k: v for k, v in command.__annotations__.items() if k != "backend_options"}
+        annotations = {k: v for k, v in command.__annotations__.items() if k != keyword}
         wrapper.__annotations__ = {**annotations, **{name: a for name, (a, _) in parameters.items()}}
         return wrapper
 

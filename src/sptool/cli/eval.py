@@ -22,6 +22,7 @@ def benchmark_names(paths: List[str]) -> List[str]:
     return [path if stems.count(stem) > 1 else stem for stem, path in zip(stems, paths)]
 
 
+@common.prompt_options("solve")
 @common.backend_options()
 def evaluate(
     benchmarks: List[str] = typer.Argument(..., help="Benchmark JSONL files (fields: question, answer)."),
@@ -31,9 +32,6 @@ def evaluate(
     top_p: float = common.TopPOpt,
     max_tokens: int = typer.Option(512, "--max-tokens", help="Maximum new tokens per sample."),
     seed: int = common.SeedOpt,
-    prompt: Optional[str] = common.prompt_opt("solve"),
-    prefix: Optional[str] = common.PrefixOpt,
-    stop: Optional[List[str]] = common.StopOpt,
     no_greedy: bool = typer.Option(False, "--no-greedy", help="Skip the greedy-accuracy pass."),
     workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", envvar="SPTOOL_WORKERS",
                                 help="Grading processes (as in verify)."),
@@ -42,6 +40,7 @@ def evaluate(
     samples_out: Optional[str] = typer.Option(None, "--samples-out", help="Write graded samples (JSONL) here."),
     quiet: bool = common.QuietOpt,
     backend_options: common.BackendOptions = None,
+    prompt_options: common.PromptOptions = None,
 ) -> None:
     """Evaluate a model: greedy accuracy, mean@k, and unbiased pass@k per benchmark."""
     from rich.table import Table
@@ -53,7 +52,7 @@ def evaluate(
 
     common.check_outputs({"--samples-out": samples_out})
     ks = parse_ks(pass_at)
-    spec = common.load_prompt_option("solve", prompt, prefix, stop)
+    spec = prompt_options.load("solve")
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens, seed=seed)
     records_by_name = {name: list(read_records(path, QUESTION))
                        for name, path in zip(benchmark_names(benchmarks), benchmarks)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
@@ -16,6 +16,7 @@ def register(app: typer.Typer) -> None:
 @common.backend_options(model=typer.Option(
     "tiny", "-m", "--model", envvar="SPTOOL_JUDGE_MODEL",
     help="Frozen judge model (R-Quest: the base model): HF id, local directory, or 'tiny'."))
+@common.prompt_options("novelty")
 def novelty(
     input_path: Optional[str] = common.InputArg,
     output: str = common.OutputOpt,
@@ -26,13 +27,11 @@ def novelty(
                                                   "a batch (the whole input up to this cap)."),
     seed: int = common.SeedOpt,
     max_tokens: int = typer.Option(16, "--max-tokens", help="Maximum new tokens per judgement."),
-    prompt: Optional[str] = common.prompt_opt("novelty"),
-    prefix: Optional[str] = common.PrefixOpt,
-    stop: Optional[List[str]] = common.StopOpt,
     quiet: bool = common.QuietOpt,
     skip_invalid: bool = common.SkipInvalidOpt,
     rejects: Optional[str] = common.RejectsOpt,
     backend_options: common.BackendOptions = None,
+    prompt_options: common.PromptOptions = None,
 ) -> None:
     """Mark each candidate question novel or not: sampled partners, greedy yes/no judge.
 
@@ -44,6 +43,6 @@ def novelty(
     judge = backend_options.load(quiet)
     stage = NoveltyStage(judge, k=partners, batch_size=candidates_per_batch, seed=seed,
                          max_new_tokens=max_tokens,
-                         prompt=common.load_prompt_option("novelty", prompt, prefix, stop))
+                         prompt=prompt_options.load("novelty"))
     common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
                      skip_invalid=skip_invalid, rejects=rejects)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
@@ -13,6 +13,7 @@ def register(app: typer.Typer) -> None:
     app.command("solve")(solve)
 
 
+@common.prompt_options("solve", "validity")
 @common.backend_options()
 def solve(
     input_path: Optional[str] = common.InputArg,
@@ -24,9 +25,6 @@ def solve(
     top_p: float = common.TopPOpt,
     max_tokens: int = typer.Option(512, "--max-tokens", help="Maximum new tokens per sample."),
     seed: int = common.SeedOpt,
-    prompt: Optional[str] = common.prompt_opt("solve", "validity"),
-    prefix: Optional[str] = common.PrefixOpt,
-    stop: Optional[List[str]] = common.StopOpt,
     questions_per_call: int = typer.Option(16, "--questions-per-call",
                                            help="Questions per backend call (each with K samples)."),
     logprobs: bool = common.LogprobsOpt,
@@ -38,6 +36,7 @@ def solve(
     skip_invalid: bool = common.SkipInvalidOpt,
     rejects: Optional[str] = common.RejectsOpt,
     backend_options: common.BackendOptions = None,
+    prompt_options: common.PromptOptions = None,
 ) -> None:
     """Sample K solutions per question (records need 'question'; 'answer' optional)."""
     import time
@@ -52,7 +51,7 @@ def solve(
         from sptool.records import UsageError
 
         raise UsageError(f"unknown --mode '{mode}'; choose from {', '.join(MODES)}")
-    spec = common.load_prompt_option(MODES[mode], prompt, prefix, stop)
+    spec = prompt_options.load(MODES[mode])
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens,
                             seed=seed, logprobs=logprobs)
     engine = backend_options.load(quiet)

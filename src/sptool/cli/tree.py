@@ -54,6 +54,7 @@ def init(
 
 @tree_app.command("expand")
 @common.backend_options()
+@common.prompt_options("tree")
 def expand(
     tree_path: str = TreeOpt,
     paths: int = typer.Option(128, "--paths", "-b", help="Paths to sample (B; WIST: 128)."),
@@ -82,13 +83,11 @@ def expand(
                                           help="The reference code's rule: --proposals 5 --min-votes 2."),
     temperature: float = common.TemperatureOpt,
     max_tokens: int = typer.Option(32, "--max-tokens", help="Maximum new tokens per proposal."),
-    prompt: Optional[str] = common.prompt_opt("tree"),
-    prefix: Optional[str] = common.PrefixOpt,
-    stop: Optional[List[str]] = common.StopOpt,
     rejects: Optional[str] = typer.Option(None, "--rejects",
                                           help="Also write rejected proposals (with 'reason') here as JSONL."),
     quiet: bool = common.QuietOpt,
     backend_options: common.BackendOptions = None,
+    prompt_options: common.PromptOptions = None,
 ) -> None:
     """Thompson-sample B root-to-leaf paths (JSONL path records), growing the tree at 'unk'.
 
@@ -107,7 +106,7 @@ def expand(
     options = ExpandOptions(tau_wiki=tau_wiki, duplicate_threshold=duplicate_threshold,
                             max_attempts=max_attempts, proposals=proposals, min_votes=min_votes,
                             max_children=max_children)
-    spec = common.load_prompt_option("tree", prompt, prefix, stop)
+    spec = prompt_options.load("tree")
     tree = load_tree(tree_path)
     title_backend = load_title_backend(titles, wiki_url, api=wiki_api, timeout_s=wiki_timeout,
                                        allow_private=allow_private)
