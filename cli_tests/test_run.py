@@ -302,6 +302,59 @@ def test_sigkill_then_resume_equals_uninterrupted_run(recipe, tmp_path, random_p
     assert got_metrics == ref_metrics  # no lost or duplicated lines
 
 
+@pytest.mark.slow
+def test_kill_between_checkpoints_replays_the_train_steps_since_the_last_one(tmp_path, random_policy):
+    """run.checkpoint_every = 3 over 4 iterations: checkpoints after iterations 3 and 4 only. Killed
+    in iteration 3 (iterations 1 and 2 trained, no checkpoint yet) and again in iteration 4 (after
+    the background-written checkpoint of iteration 3), the resumed run trains 1 and 2 again from
+    their recorded groups and ends with the uninterrupted run's outputs and weights."""
+    extra = ("-n", "4", "--set", "run.checkpoint_every=3", "--keep", "0")
+    reference = tmp_path / "reference"
+    result = run_sptool(*scripted_args("svs", reference, random_policy, *extra), env=ENV)
+    assert result.returncode == 0, result.stderr
+    trained = {path.parent.name: read_jsonl(path)[0] for path in sorted(reference.glob("iter-*/*-train.jsonl"))}
+    assert [bool(r["checkpoint"]) for r in trained.values()] == [False, False, True, True]
+    assert [r.get("deferred", False) for r in trained.values()] == [True, True, False, False]
+    assert sorted(p.name for p in (reference / "ckpt" / "policy").iterdir()) == ["step-0003", "step-0004"]
+    killed = tmp_path / "killed"
+    args = scripted_args("svs", killed, random_policy, *extra)
+    args.remove("-q")
+    result = run_sptool(*args, env={**ENV, "SPTOOL_TEST_KILL_AT": "3/solve:mid"})
+    assert result.returncode == -signal.SIGKILL and not (killed / "ckpt").exists()
+    result = run_sptool(*args, "--resume", env={**ENV, "SPTOOL_TEST_KILL_AT": "4/solve:mid"})
+    assert result.returncode == -signal.SIGKILL
+    assert "iter-0001/08-train: training again" in result.stderr
+    assert "iter-0002/08-train: training again" in result.stderr
+    # the kill may land before the background writer of iteration 3's checkpoint has finished
+    written = (killed / "ckpt" / "policy" / "step-0003" / "sptool_state" / "state.json").is_file()
+    result = run_sptool(*args, "--resume", env=ENV)
+    assert result.returncode == 0, result.stderr
+    assert ("iter-0001/08-train: training again" in result.stderr) is not written
+    assert ("iter-0003/08-train: training again" in result.stderr) is not written
+    assert stage_outputs(killed) == stage_outputs(reference)
+    assert checkpoint_weights(killed) == checkpoint_weights(reference)
+
+
+@pytest.mark.slow
+def test_resume_trains_again_the_steps_after_the_newest_checkpoint(tmp_path, random_policy):
+    """Killed in iteration 2 of 2 with no checkpoint written yet (iteration 1 deferred): resume
+    replays iteration 1's train step, says so, and matches the uninterrupted run."""
+    reference = tmp_path / "reference"
+    assert run_sptool(*scripted_args("svs", reference, random_policy), env=ENV).returncode == 0
+    killed = tmp_path / "killed"
+    result = run_sptool(*scripted_args("svs", killed, random_policy),
+                        env={**ENV, "SPTOOL_TEST_KILL_AT": "2/train:train-done"})
+    assert result.returncode == -signal.SIGKILL
+    assert not (killed / "ckpt").exists()
+    args = scripted_args("svs", killed, random_policy)
+    args.remove("-q")
+    result = run_sptool(*args, "--resume", env=ENV)
+    assert result.returncode == 0, result.stderr
+    assert "iter-0001/08-train: training again from the newest checkpoint (policy)" in result.stderr
+    assert stage_outputs(killed) == stage_outputs(reference)
+    assert checkpoint_weights(killed) == checkpoint_weights(reference)
+
+
 def test_resume_refuses_changed_configuration(tmp_path, random_policy):
     run_dir = tmp_path / "r"
     run_dir.mkdir()

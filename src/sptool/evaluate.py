@@ -49,7 +49,7 @@ class BenchmarkResult:
     problems: int = 0
     samples_per_problem: int = 0
     greedy_accuracy: float | None = None
-    mean_at_k: float = 0.0
+    mean_at_k: float | None = 0.0
     pass_at: dict[int, float] = field(default_factory=dict)
     verify_errors: int = 0
 
@@ -63,11 +63,13 @@ def evaluate_benchmark(name: str, records: Iterable[dict], backend: Backend, *, 
                        ks: tuple[int, ...] = (1, 8), params: SamplingParams | None = None,
                        greedy: bool = True, workers: int = 2, deadline_s: float = 30.0,
                        batch_size: int = 16, verifier: VerifyStage | None = None,
-                       require_boxed: bool = False, prompt: str | PromptSpec | None = None
-                       ) -> tuple[BenchmarkResult, list[dict]]:
+                       require_boxed: bool = False, prompt: str | PromptSpec | None = None,
+                       greedy_batch_size: int | None = None) -> tuple[BenchmarkResult, list[dict]]:
     """Sample ``samples`` solutions per problem, grade them, aggregate. Returns the result and the
     graded records (so a caller can keep them). A caller's ``verifier`` is used and left open.
-    ``prompt`` is the solver prompt (role ``solve``: a packaged name, a file or a spec)."""
+    ``prompt`` is the solver prompt (role ``solve``: a packaged name, a file or a spec).
+    ``samples = 0`` with ``greedy``: the greedy accuracy alone. ``batch_size`` problems go into
+    one generate call (``greedy_batch_size`` for the greedy pass; default the same)."""
     spec = prompt if isinstance(prompt, PromptSpec) else load_prompt("solve", prompt)
     params = params or SamplingParams()
     bad_ks = [k for k in ks if k > samples]
@@ -84,11 +86,14 @@ def evaluate_benchmark(name: str, records: Iterable[dict], backend: Backend, *, 
         verifier = VerifyStage(workers=workers, deadline_s=deadline_s, require_boxed=require_boxed)
     try:
         solved = list(SolveStage(backend, samples=samples, params=params, prompt=spec,
-                                 batch_size=batch_size).run(iter(problems)))
-        graded = list(verifier.run(iter(solved)))
+                                 batch_size=batch_size).run(iter(problems))) if samples else \
+            [dict(record, samples=[]) for record in problems]
+        graded = list(verifier.run(iter(solved))) if samples else solved
         per_problem = [[bool(s.get("correct")) for s in r["samples"]] for r in graded]
         result.verify_errors = sum(1 for r in graded if r.get("verify_error"))
-        if problems:
+        if not samples:
+            result.mean_at_k = None  # greedy only
+        elif problems:
             result.mean_at_k = sum(mean_at_k(c) for c in per_problem) / len(per_problem)
             for k in ks:
                 result.pass_at[k] = sum(pass_at_k(len(c), sum(c), k) for c in per_problem) / len(per_problem)
@@ -97,7 +102,7 @@ def evaluate_benchmark(name: str, records: Iterable[dict], backend: Backend, *, 
             fresh = [{key: value for key, value in r.items() if key in ("id", "question", "answer")}
                      for r in problems]
             greedy_solved = list(SolveStage(backend, samples=1, params=greedy_params, prompt=spec,
-                                            batch_size=batch_size).run(iter(fresh)))
+                                            batch_size=greedy_batch_size or batch_size).run(iter(fresh)))
             greedy_graded = list(verifier.run(iter(greedy_solved)))
             result.greedy_accuracy = sum(bool(r["samples"][0].get("correct")) for r in greedy_graded) / len(problems)
             for record, greedy_record in zip(graded, greedy_graded):

@@ -56,6 +56,9 @@ class RunProgress:
             for name, values in ((event.get("metrics") or {}).get("benchmarks") or {}).items():
                 shown = ", ".join(f"{key} {value:.3f}" for key, value in values.items() if value is not None)
                 common.err_console.print(f"  held-out {name}: {shown}", markup=False)
+        elif kind == "stage-replayed":
+            common.err_console.print(f"  {event['stage']}: training again from the newest checkpoint "
+                                     f"({', '.join(event['roles'])})", markup=False, style="dim")
         elif kind == "stage-skipped":
             common.err_console.print(f"  {event['stage']}: done before ({event['records']} records, "
                                      f"read back)", markup=False, style="dim")

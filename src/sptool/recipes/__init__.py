@@ -34,6 +34,8 @@ COMMON_SCHEMA: dict[str, dict[str, Any]] = {
         "iterations": 1,          # outer iterations (WIST: training updates; R-Zero/R-Quest: rounds)
         "seed": 0,                # stage seeds derive from (seed, iteration, stage)
         "keep": 3,                # checkpoints kept per role (0: all)
+        "checkpoint_every": 10,   # write checkpoints after every N-th iteration and the last one; a
+                                  # resumed run replays the train steps since the newest one
     },
     "model": {
         "policy": "tiny",         # starting weights: HF id, local HF directory, or tiny
@@ -66,7 +68,7 @@ COMMON_SCHEMA: dict[str, dict[str, Any]] = {
     "eval": {
         "benchmarks": "",         # held-out JSONL files (question, answer), comma-separated; empty: off
         "every": 0,               # also evaluate after every N-th iteration (0: before and after only)
-        "samples": 4,             # sampled solutions per problem (mean@k, pass@k); greedy is extra
+        "samples": 4,             # sampled solutions per problem (mean@k, pass@k); greedy is extra; 0: greedy only
         "max_tokens": 0,          # 0: generation.max_tokens
     },
 }
@@ -384,11 +386,13 @@ def check_values(config: dict, recipe: str) -> None:
     for key, value in positive:
         if value < 1:
             raise UsageError(f"key '{key}': must be >= 1, got {value}")
-    if config["eval"]["every"] < 0 or config["eval"]["samples"] < 1 or config["eval"]["max_tokens"] < 0:
-        raise UsageError("keys 'eval.every', 'eval.max_tokens' must be >= 0 and 'eval.samples' >= 1, got "
+    if config["eval"]["every"] < 0 or config["eval"]["samples"] < 0 or config["eval"]["max_tokens"] < 0:
+        raise UsageError("keys 'eval.every', 'eval.max_tokens', 'eval.samples' must be >= 0, got "
                          f"{config['eval']['every']}, {config['eval']['max_tokens']}, {config['eval']['samples']}")
     if not 0 <= own.get("format_weight", 0.0) <= 1:
         raise UsageError(f"key '{recipe}.format_weight': must be in [0, 1], got {own['format_weight']}")
+    if config["run"]["checkpoint_every"] < 1:
+        raise UsageError(f"key 'run.checkpoint_every': must be >= 1, got {config['run']['checkpoint_every']}")
     if config["run"]["keep"] < 0:
         raise UsageError(f"key 'run.keep': must be >= 0, got {config['run']['keep']}")
     for key in ("band", "synthesis_band", "solver_band"):

@@ -17,6 +17,7 @@ import os
 import time
 from typing import Any, Callable
 
+from sptool.records import RuntimeFailure
 from sptool.run import faults
 from sptool.run.metrics import step_metrics
 from sptool.run.run_dir import MANIFEST, RunDir  # noqa: F401 - MANIFEST is part of the API
@@ -67,6 +68,7 @@ class RunDriver:
         self._prepare_dir()
         self.session.restore()
         self.recipe.restore(self.run_dir)
+        self._replay()
         iterations = self.config["run"]["iterations"]
         started = time.monotonic()
         ran = resumed = 0
@@ -92,6 +94,32 @@ class RunDriver:
             self.session.close()
         return {"run_dir": str(self.run_dir.path), "stages_run": ran, "stages_resumed": resumed,
                 "iterations": iterations, "wall_s": time.monotonic() - started}
+
+    def _replay(self) -> None:
+        """Resume: train again, in order and from their recorded inputs, the train steps that
+        finished after each role's newest complete checkpoint (``run.checkpoint_every``), so the
+        weights are those of the uninterrupted run. Their outputs are on disk already."""
+        for key, roles in self.session.replay:
+            iteration = int(key.split("/")[0].split("-")[1])
+            steps = self.plan(iteration)
+            index = int(key.split("/")[1].split("-")[0])
+            step = steps[index - 1]
+            outputs = {s.name: self.run_dir.reader(f"iter-{iteration:04d}/{i:02d}-{s.name}")
+                       for i, s in enumerate(steps[:index - 1], 1)}
+            self.emit({"event": "stage-replayed", "stage": key, "iteration": iteration, "roles": sorted(roles)})
+            seed = stage_seed(self.config["run"]["seed"], iteration, step.name)
+            ctx = StepContext(self, iteration, key, step, seed, outputs)
+            recorded = {r["role"]: r for r in self.run_dir.reader(key)()}
+            self.session.replaying = {role: recorded[role].get("checkpoint") for role in roles}
+            try:
+                records = run_step(ctx, ctx.inputs())
+            finally:
+                self.session.replaying = None
+            for record in records:
+                if recorded[record["role"]].get("step") != record.get("step"):
+                    raise RuntimeFailure(f"--resume: replaying {key} gave {record['role']} step "
+                                         f"{record.get('step')}, the run recorded "
+                                         f"{recorded[record['role']].get('step')}")
 
     def _run_step(self, step: Step, key: str, iteration: int, index: int, total: int,
                   outputs: dict) -> list[dict]:

@@ -17,12 +17,11 @@ from typing import Any, Callable
 
 from sptool.records import UsageError, content_id
 from sptool.run import faults
+from sptool.run.checkpoints import RELOADING_BACKENDS, CheckpointWriter, checkpoint_due, is_complete, \
+    replay_plan, snapshot
 from sptool.run.run_dir import RunDir, read_jsonl
 from sptool.run.steps import StepContext, StepFunction
 
-# Prompts (questions, documents) per generate call; the backend batches their samples again by
-# model.gen_batch_size.
-SOLVE_BATCH = 16
 
 
 def read_labelled_problems(path: str, user: str) -> list[dict]:
@@ -59,6 +58,7 @@ class Policy:
                                  learning_rate=train["learning_rate"], max_grad_norm=train["max_grad_norm"],
                                  lora_r=train["lora_r"],
                                  max_tokens_per_micro_batch=train["max_tokens_per_micro_batch"],
+                                 max_completion_tokens=c["generation"]["max_tokens"],
                                  chat_template=c["model"]["chat_template"],
                                  device=c["model"]["device"] or None, seed=c["run"]["seed"])
             self.session.say(f"loading {self.role} policy from {self.start}")
@@ -107,6 +107,9 @@ class Session:
         self._judge = None
         self._verifier = None
         self._eval_sets: list[tuple[str, list[dict]]] | None = None
+        self.writer = CheckpointWriter()
+        self.replay: list[tuple[str, set[str]]] = []  # train steps to train again on resume
+        self.replaying: dict[str, str | None] | None = None  # role -> its recorded checkpoint, on replay
 
     def say(self, message: str) -> None:
         if self.log is not None:
@@ -130,14 +133,19 @@ class Session:
         return self.policies["policy" if self.shared_policy else role]
 
     def restore(self) -> None:
-        """Each role starts from ``model.policy`` or its newest checkpoint in the run directory."""
-        starts = {role: self.config["model"]["policy"] for role in self.roles()}
-        for entry in self.run_dir.entries():
-            if entry["kind"] == "train":
-                for record in read_jsonl(self.run_dir.path / entry["output"]):
-                    if record.get("checkpoint"):
-                        starts[record["role"]] = str(self.run_dir.path / record["checkpoint"])
+        """Each role starts from ``model.policy`` or its newest complete checkpoint in the run
+        directory; ``self.replay`` lists the train steps recorded after it (to train again)."""
+        entries = [(key, read_jsonl(self.run_dir.path / entry["output"]))
+                   for key, entry in zip(self.run_dir.manifest.get("order", []), self.run_dir.entries())
+                   if entry["kind"] == "train"]
+        found, self.replay = replay_plan(entries, self.run_dir.path, self.config["model"]["policy"])
+        starts = {role: found.get(role, self.config["model"]["policy"]) for role in self.roles()}
         self.policies = {role: Policy(self, role, start) for role, start in starts.items()}
+
+    def prompts_per_call(self, samples: int) -> int:
+        """Prompts per generate call so that one call fills the backend's batch
+        (``model.gen_batch_size`` sequences, ``samples`` per prompt)."""
+        return max(1, self.config["model"]["gen_batch_size"] // max(1, samples))
 
     def load_generator(self, model: str):
         from sptool.models.base import load_backend
@@ -191,6 +199,7 @@ class Session:
         return self._eval_sets
 
     def close(self) -> None:
+        self.writer.wait()
         for policy in self.policies.values():
             policy.close()
         if self._judge is not None:
@@ -206,7 +215,7 @@ class Session:
             from sptool.solve import SolveStage
 
             stage = SolveStage(self.policy(role).backend, samples=samples, mode=mode,
-                               params=self.params(ctx.seed), batch_size=SOLVE_BATCH,
+                               params=self.params(ctx.seed), batch_size=self.prompts_per_call(samples),
                                prompt=self.prompt("validity" if mode == "validity" else "solve"))
             return ctx.run_stage(stage, records)
         return solve
@@ -227,10 +236,14 @@ class Session:
         return train
 
     def _train(self, ctx: StepContext, groups: list[dict], roles: list[str], updates: int) -> list[dict]:
+        """The updates, then the checkpoint when due (:func:`checkpoint_due`), written in the
+        background. Replaying (resume), only the updates of the roles being replayed run."""
         from sptool.train.step import split_updates
 
         out = []
         for role in roles:
+            if self.replaying is not None and role not in self.replaying:
+                continue
             mine = [g for g in groups if self.role_for_group(g) == role]
             policy = self.policies[role]
             if not mine:
@@ -243,22 +256,47 @@ class Session:
             for chunk in split_updates(mine, per_update):
                 metrics = trainer.update(chunk)
                 ctx.advance()
+            record = {"role": role, "step": trainer.step, "groups": len(mine), "updates": updates,
+                      "checkpoint": None, "metrics": metrics}
+            out.append(record)
+            if self.replaying is not None:  # resume: rewrite only a checkpoint the run recorded but lost
+                if self.replaying[role]:
+                    record["checkpoint"] = self.replaying[role]
+                    self._save(ctx, role, trainer, self.run_dir.path / self.replaying[role])
+                continue
             faults.kill_point(ctx.key, "train-done")
+            if not checkpoint_due(self.config, ctx.iteration):
+                record["deferred"] = True
+                continue
             directory = self.run_dir.path / "ckpt" / role / f"step-{trainer.step:04d}"
             directory.parent.mkdir(parents=True, exist_ok=True)
+            record["checkpoint"] = str(directory.relative_to(self.run_dir.path))
+            self._save(ctx, role, trainer, directory)
+            policy.after_update(str(directory))
+        return out
+
+    def _save(self, ctx: StepContext, role: str, trainer, directory) -> None:
+        """Write the checkpoint: in the background from a CPU copy when the generator shares the
+        weights (hf, scripted), else (and under a test's kill point) before going on."""
+        write = snapshot(trainer) if self.config["model"]["backend"] not in RELOADING_BACKENDS else None
+        if write is None or faults.kill_requested(ctx.key, "checkpoint"):
+            self.writer.wait()
             with faults.checkpoint_kill_point(ctx.key):
                 trainer.save(directory)
-            policy.after_update(str(directory))
             self._prune(role)
-            out.append({"role": role, "step": trainer.step, "groups": len(mine), "updates": updates,
-                        "checkpoint": str(directory.relative_to(self.run_dir.path)), "metrics": metrics})
-        return out
+            return
+
+        def write_and_prune() -> None:
+            write(directory)
+            self._prune(role)
+
+        self.writer.submit(write_and_prune)
 
     def _prune(self, role: str) -> None:
         keep = self.config["run"]["keep"]
         if not keep:
             return
-        directories = sorted((p for p in (self.run_dir.path / "ckpt" / role).glob("step-*") if p.is_dir()),
+        directories = sorted((p for p in (self.run_dir.path / "ckpt" / role).glob("step-*") if is_complete(p)),
                              key=lambda p: int(p.name.split("-")[1]))
         for old in directories[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -273,9 +311,11 @@ class Session:
             out = []
             for name, problems in self.eval_sets():
                 result, _ = evaluate_benchmark(
-                    name, problems, backend, samples=e["samples"], ks=tuple(sorted({1, e["samples"]})),
+                    name, problems, backend, samples=e["samples"],
+                    ks=tuple(sorted({1, e["samples"]})) if e["samples"] else (),
                     params=self.params(ctx.seed, e["max_tokens"] or None), verifier=self.verifier(False),
-                    batch_size=SOLVE_BATCH, prompt=self.prompt("solve"))
+                    batch_size=self.prompts_per_call(e["samples"]),
+                    greedy_batch_size=self.prompts_per_call(1), prompt=self.prompt("solve"))
                 out.append({"id": content_id("eval", name, after_iteration), "benchmark": name,
                             "after_iteration": after_iteration, **result.as_dict()})
                 ctx.advance()

@@ -1,0 +1,124 @@
+"""Checkpoint cadence of ``sptool run``: which train steps write one, and writing it off the loop.
+
+- A train step writes a checkpoint after every ``run.checkpoint_every``-th iteration and after the
+  last one (:func:`checkpoint_due`); the others record ``"checkpoint": null, "deferred": true``.
+  A backend that reloads weights from disk (vllm, openai) needs every one.
+- Writing happens on a background thread (:class:`CheckpointWriter`) from a CPU copy of the
+  weights and the optimizer state taken when the step ends (full precision: a resumed run must
+  continue from exactly the weights the uninterrupted one had), so generation goes on while the
+  files are written. A checkpoint is complete once its directory exists (the writer renames a
+  finished staging directory into place); older ones are pruned only after that.
+- Resume (:func:`replay_plan`): each role starts from its newest complete checkpoint and the
+  train steps recorded after it are trained again, in order, from their recorded inputs, which
+  gives the same weights (generation is not repeated: its outputs are on disk).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from sptool.train.checkpoint import STATE_DIR, STATE_FILE
+
+RELOADING_BACKENDS = ("vllm", "openai")
+
+
+def checkpoint_due(config: dict, iteration: int) -> bool:
+    """Does a train step of ``iteration`` write its checkpoint?"""
+    if config["model"]["backend"] in RELOADING_BACKENDS:
+        return True  # the generator reads the new weights from the checkpoint
+    every = config["run"]["checkpoint_every"]
+    return every <= 1 or iteration % every == 0 or iteration >= config["run"]["iterations"]
+
+
+def is_complete(directory: Path) -> bool:
+    return (directory / STATE_DIR / STATE_FILE).is_file()
+
+
+def replay_plan(train_entries: Iterable[tuple[str, list[dict]]], run_dir: Path,
+                start: str) -> tuple[dict[str, str], list[tuple[str, set[str]]]]:
+    """From the finished train steps (``(key, records)`` in manifest order): each role's starting
+    weights (its newest complete checkpoint, else ``start``) and the train steps to train again
+    after it (``(key, roles)`` in order)."""
+    starts: dict[str, str] = {}
+    pending: dict[str, list[str]] = {}  # role -> keys after its newest complete checkpoint
+    order: list[str] = []
+    for key, records in train_entries:
+        order.append(key)
+        for record in records:
+            role, step = record.get("role"), record.get("step")
+            if role is None or step is None:
+                continue  # nothing trained in this step for this role
+            checkpoint = record.get("checkpoint")
+            if checkpoint and is_complete(run_dir / checkpoint):
+                starts[role] = str(run_dir / checkpoint)
+                pending[role] = []
+            else:  # deferred, or its writer did not finish before the run died
+                pending.setdefault(role, []).append(key)
+    replay = [(key, {role for role, keys in pending.items() if key in keys}) for key in order]
+    return starts, [(key, roles) for key, roles in replay if roles]
+
+
+def _cpu_copy(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu_copy(v) for v in value)
+    return value
+
+
+def snapshot(trainer) -> Callable[[Path], None] | None:
+    """A function that writes ``trainer``'s current checkpoint from a CPU copy taken now, or None
+    where only the trainer's own ``save`` is right (LoRA adapters, several processes)."""
+    if trainer.is_lora or trainer.accelerator.num_processes > 1:
+        return None
+    from sptool.train import checkpoint as ckpt
+
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    weights = _cpu_copy(policy.state_dict())
+    optimizer = _cpu_copy(trainer.optimizer.state_dict())
+    state = trainer.checkpoint_state()
+    tokenizer = trainer.tokenizer
+
+    def write(directory: Path) -> None:
+        def save_model(target: str) -> None:
+            policy.save_pretrained(target, state_dict=weights, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(target)
+
+        ckpt.save_checkpoint(directory, save_model=save_model, optimizer_state=optimizer, state=state)
+
+    return write
+
+
+class CheckpointWriter:
+    """One checkpoint written at a time on a background thread; ``wait`` re-raises its error."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, write: Callable[[], None]) -> None:
+        self.wait()
+
+        def target() -> None:
+            try:
+                write()
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop at wait()
+                self._error = exc
+
+        self._thread = threading.Thread(target=target, name="sptool-checkpoint", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
