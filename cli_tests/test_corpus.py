@@ -466,3 +466,14 @@ def test_politeness_delay_spaces_requests_to_one_host(site):
     results = list(fetcher.fetch_many([f"{site.base}/prime-numbers.html"] * 4))
     assert all(r.ok for r in results)
     assert time.monotonic() - start >= 0.6   # starts at 0, 0.2, 0.4, 0.6 s despite 4 threads
+
+
+def test_the_same_page_extracts_every_time_in_one_process():
+    """trafilatura's own ``deduplicate`` keeps a process-wide cache and returned nothing from
+    the third extraction of a page on; a pool refresh or a later iteration lost its pages."""
+    from sptool.corpus.clean import extract_text
+
+    html = (FIXTURES / "web" / "prime-numbers.html").read_text()
+    texts = [extract_text(html, url="http://127.0.0.1/prime-numbers.html") for _ in range(5)]
+    assert all(t is not None and len(t.text) > 200 for t in texts)
+    assert len({t.text for t in texts}) == 1

@@ -2,8 +2,10 @@
 
 - Extraction: ``trafilatura.bare_extraction`` on the HTML string (never trafilatura's own
   ``fetch_url``: fetching is :mod:`sptool.corpus.fetch`'s job and goes through the URL policy).
-  It removes navigation, ads, templates and comments; ``deduplicate=True`` drops repeated
-  blocks within the page.
+  It removes navigation, ads, templates and comments. Its ``deduplicate`` option stays off:
+  it counts texts in a process-wide LRU cache, so the third extraction of the same page in one
+  process (a pool refresh, a later iteration, a second test) came back empty. Duplicates are
+  :class:`NearDuplicateIndex`'s job.
 - Language: a light, dependency-free heuristic (:func:`english_score`): the share of tokens that
   are common English function words. Running English prose scores about 0.3–0.5; other
   languages written in Latin script score well below 0.1. Only ``en`` (and ``any`` = no
@@ -67,7 +69,7 @@ def extract_text(content: str, *, content_type: str = "text/html", url: str | No
         raise RuntimeFailure("corpus fetch needs trafilatura: pip install 'sptool[web]'") from None
     document = trafilatura.bare_extraction(
         content, url=url, with_metadata=True, include_comments=False, include_tables=True,
-        include_images=False, include_links=False, deduplicate=True, favor_precision=True)
+        include_images=False, include_links=False, deduplicate=False, favor_precision=True)
     if document is None:
         return None
     text = (getattr(document, "text", None) or "").strip()
