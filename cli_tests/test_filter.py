@@ -68,6 +68,21 @@ def test_usage_errors(sptool):
     assert result.returncode == 2 and "--solver-band" in result.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--recipe", "rquest", "--uncertainty", "reference"],
+     "--uncertainty is not an option of --recipe rquest (it belongs to --recipe rzero)"),
+    (["--recipe", "svs", "--sigma", "0.1"], "--sigma is not an option of --recipe svs (it belongs to --recipe wist)"),
+    (["--recipe", "wist", "--format-weight", "0.1"], "--format-weight is not an option of --recipe wist"),
+    (["--recipe", "rquest", "--validity-init", "--solver-band", "0.3,0.8"],
+     "--solver-band is not an option of --validity-init"),
+    (["--recipe", "wist", "--sigma", "0"], "--sigma must be"),
+])
+def test_options_of_another_recipe_are_refused(sptool, args, message):
+    result = sptool("filter", *args, input="")
+    assert result.returncode == 2 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_non_contiguous_groups_are_refused(sptool, tmp_path):
     records = read_jsonl(FIXTURES / "verified_wist.jsonl")
     shuffled = [records[0], records[3], records[1]]           # doc-a, doc-b, doc-a again

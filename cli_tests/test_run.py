@@ -160,6 +160,22 @@ def test_bad_overrides_are_one_line_usage_errors(args, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_every_stage_setting_is_reachable_with_set(cli):
+    """Settings that once lived only in a stage's options or as literals in the driver."""
+    from sptool.recipes import load_config
+
+    rzero = load_config("rzero", sets=["bleu_pairing=reference", "clip_questioner_reward=true", "batch_size=64"])
+    assert rzero["rzero"]["bleu_pairing"] == "reference" and rzero["rzero"]["clip_questioner_reward"] is True
+    wist = load_config("wist", sets=["min_votes=2", "proposals=5", "duplicate_threshold=0.9"])
+    assert (wist["wist"]["min_votes"], wist["wist"]["proposals"], wist["wist"]["duplicate_threshold"]) == (2, 5, 0.9)
+    svs = load_config("svs", sets=["strict_band=true", "generation.prompts_per_call=2",
+                                   "negative_synthesis_value=-0.5"])
+    assert svs["svs"]["strict_band"] is True and svs["generation"]["prompts_per_call"] == 2
+    explained = cli(["recipes", "show", "svs", "--explain"]).stdout
+    band = next(line for line in explained.splitlines() if line.startswith("band ="))
+    assert "SvS §3.3" in band and "under-performing" in band
+
+
 def test_bad_config_file_names_the_key(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[svs]\nband = [0.1]\n")

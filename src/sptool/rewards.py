@@ -28,6 +28,7 @@ RZERO_SOLVER_BAND = (0.3, 0.8)   # R-Zero / R-Quest solver data: 0.3 ≤ p ≤ 0
 SVS_UNDERPERFORMING_BAND = (0.125, 0.5)   # SvS §4 [acc_l, acc_h]
 SVS_SYNTHESIS_BAND = (0.125, 0.625)       # SvS §4 [âcc_l, âcc_h]
 BLEU_DISTANCE_THRESHOLD = 0.5
+PSEUDO_LABEL_FORMAT_WEIGHT = 0.1  # R-Zero / R-Quest solver reward 0.9·correct + 0.1·format
 GRPO_EPSILON = 1e-6
 
 
@@ -237,7 +238,7 @@ def in_band(value: float | None, band: tuple[float, float], inclusive: bool = Tr
 
 
 def pseudo_label_solver_reward(correct: bool | None, formatted: bool,
-                               format_weight: float = 0.1) -> float:
+                               format_weight: float = PSEUDO_LABEL_FORMAT_WEIGHT) -> float:
     """Solver reward on pseudo-labelled questions (R-Quest "solver 奖励"; DESIGN §4 for R-Zero):
     r = 0.9 · 1[answer ≡ majority pseudo-label] + 0.1 · 1[format: a \\boxed{} answer].
 
@@ -246,7 +247,8 @@ def pseudo_label_solver_reward(correct: bool | None, formatted: bool,
     return (1.0 - format_weight) * (1.0 if correct else 0.0) + format_weight * (1.0 if formatted else 0.0)
 
 
-def rzero_solver_reward(correct: bool | None, formatted: bool, format_weight: float = 0.1) -> float:
+def rzero_solver_reward(correct: bool | None, formatted: bool,
+                        format_weight: float = PSEUDO_LABEL_FORMAT_WEIGHT) -> float:
     """R-Zero solver reward 0.9·correct + 0.1·format (see :func:`pseudo_label_solver_reward`)."""
     return pseudo_label_solver_reward(correct, formatted, format_weight)
 

@@ -41,6 +41,8 @@ def format_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, tuple):
         return ",".join(format_value(v) for v in value)
+    if value == "":
+        return '""'
     return str(value)
 
 

@@ -117,6 +117,9 @@ def refuse_foreign(given: dict, recipe: str, own: set[str], mode: str = "") -> N
             continue
         owners = [r for r in FILTERS.names()
                   if name in {f.name for f in dataclasses.fields(FILTERS.get(r).Options)}]
-        flag = "--negative-synthesis-reward" if name == "negative_synthesis" else "--" + name.replace("_", "-")
-        where = f"--recipe {recipe}" + (f" {mode}" if mode else "")
-        raise UsageError(f"{flag} is not an option of {where} (it belongs to --recipe {', '.join(owners)})")
+        flag = ("--negative-synthesis-reward" if name == "negative_synthesis"
+                else "--" + name.replace("_", "-"))
+        if mode:
+            raise UsageError(f"{flag} is not an option of {mode}")
+        raise UsageError(f"{flag} is not an option of --recipe {recipe} "
+                         f"(it belongs to --recipe {', '.join(owners)})")

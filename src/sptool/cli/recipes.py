@@ -31,6 +31,8 @@ def show(
     sets: List[str] = typer.Option([], "--set", help="Override one key (KEY=VALUE, repeatable)."),
     fmt: str = typer.Option("toml", "--format", "-f", help="toml or json."),
     source: bool = typer.Option(False, "--source", help="Print the packaged recipe file (with its comments citing the paper)."),
+    explain: bool = typer.Option(False, "--explain", help="toml: follow each key with its help text, "
+                                 "the paper section it comes from and its default."),
 ) -> None:
     """Print the effective configuration (defaults < recipe < --tiny < --config < --set)."""
     from sptool.recipes import load_config, recipe_text, to_toml
@@ -43,6 +45,6 @@ def show(
     if fmt == "json":
         typer.echo(json.dumps(config, indent=2))
     elif fmt == "toml":
-        typer.echo(to_toml(config), nl=False)
+        typer.echo(to_toml(config, explain=explain), nl=False)
     else:
         raise UsageError(f"unknown --format '{fmt}'; choose from toml, json")

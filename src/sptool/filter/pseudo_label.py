@@ -37,8 +37,8 @@ class PseudoLabelOptions:
     solver_band: tuple[float, float] = setting(
         R.RZERO_SOLVER_BAND, "keep solver data with LOW <= majority agreement <= HIGH",
         "R-Zero §2.1; R-Quest §3 \"保留 s(q) 在 [0.3, 0.8]\"", band=True)
-    format_weight: float = setting(0.1, "solver reward (1 − w)·correct + w·format (a boxed answer) "
-                                   "against the majority pseudo-label", "R-Quest: 0.9 + 0.1 格式分",
+    format_weight: float = setting(R.PSEUDO_LABEL_FORMAT_WEIGHT, "solver reward (1 − w)·correct + "
+                                   "w·format (a boxed answer) against the majority pseudo-label", "R-Quest: 0.9 + 0.1 格式分",
                                    minimum=0, maximum=1)
 
 

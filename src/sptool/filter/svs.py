@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from sptool import rewards as R
-from sptool.filter.groups import TrainingGroupFilter, contiguous_groups, has_boxed_answer, is_parsed, samples_of
+from sptool.filter.groups import (TrainingGroupFilter, contiguous_groups, has_boxed_answer, is_parsed,
+                                  samples_of)
 from sptool.settings import setting
 
 

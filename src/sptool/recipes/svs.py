@@ -12,16 +12,36 @@ update over all of them. Rewards: :mod:`sptool.rewards` (SvS section); the filte
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
+from sptool import rewards as R
+from sptool.filter.svs import SvsOptions
 from sptool.recipes.base import Recipe, has_samples, is_parsed
 from sptool.records import UsageError
 from sptool.run.steps import Step, StepContext, stage_seed
+from sptool.settings import setting
 
-CHALLENGE_BATCH = 4  # solutions per generate call when writing variants
+
+@dataclass
+class SvsConfig(SvsOptions):
+    """``[svs]``: the filter's synthesis band and solver reward (:class:`SvsOptions`) and the
+    loop's settings. Defaults: SvS §4 "Implementation Details"."""
+
+    data: str = setting("", "labelled problems (JSONL question, answer); --data FILE")
+    problems: int = setting(256, "problems sampled per iteration", "SvS §4", minimum=1)
+    samples: int = setting(8, "solutions per problem G", "SvS §4", minimum=1)
+    variants: int = setting(8, "variants written per correct solution G_v", "SvS §4", minimum=1)
+    band: tuple[float, float] = setting(R.SVS_UNDERPERFORMING_BAND, "under-performing accuracy band "
+                                        "[acc_l, acc_h] whose problems get variants", "SvS §3.3, §4",
+                                        band=True)
+    strict_band: bool = setting(False, "acc_l < Acc < acc_h (Algorithm 1 line 11) instead of the closed "
+                                "range of §3.3", "SvS Algorithm 1")
+    max_solutions: int = setting(8, "correct solutions per problem that get variants", minimum=1)
 
 
 class Svs(Recipe):
     name = "svs"
+    Config = SvsConfig
 
     def __init__(self, config: dict, session) -> None:
         super().__init__(config, session)
@@ -29,16 +49,24 @@ class Svs(Recipe):
 
     def plan(self, iteration: int) -> list[Step]:
         s, c = self.session, self.c
+        synthesis = self.synthesis_steps()
         return [
             Step("sample", self.sample),
             Step("solve", s.solve(c.samples), inputs=["sample"]),
             Step("verify", s.verify(pseudo_label=False), inputs=["solve"]),
+            *synthesis,
+            Step("filter", self.filter(), inputs=["verify", *(["verify-variants"] if synthesis else [])]),
+            Step("train", s.train(s.roles()), inputs=["filter"]),
+        ]
+
+    def synthesis_steps(self) -> list[Step]:
+        """Variational problem synthesis (SvS §3.3); plain RLVR is this plan without them."""
+        s, c = self.session, self.c
+        return [
             Step("challenge", self.synthesize, inputs=["verify"]),
             Step("solve-variants", s.solve(c.samples), inputs=["challenge"], only=is_parsed, kind="solve"),
             Step("verify-variants", s.verify(pseudo_label=False), inputs=["solve-variants"],
                  only=has_samples, kind="verify"),
-            Step("filter", self.filter(), inputs=["verify", "verify-variants"]),
-            Step("train", s.train(s.roles()), inputs=["filter"]),
         ]
 
     def data(self) -> list[dict]:
@@ -47,7 +75,8 @@ class Svs(Recipe):
             from sptool.run.session import read_labelled_problems
 
             if not self.c.data:
-                raise UsageError("svs needs a labelled problem set: --data FILE (JSONL with question, answer)")
+                raise UsageError("svs needs a labelled problem set: --data FILE "
+                                 "(JSONL with question, answer)")
             self._data = read_labelled_problems(self.c.data, "SvS")
         return self._data
 
@@ -59,7 +88,7 @@ class Svs(Recipe):
         for position in range((ctx.iteration - 1) * per, ctx.iteration * per):
             epoch, offset = divmod(position, n)
             order = list(range(n))
-            random.Random(stage_seed(self.config["run"]["seed"], epoch, "svs-epoch")).shuffle(order)
+            random.Random(stage_seed(self.settings.run.seed, epoch, "svs-epoch")).shuffle(order)
             record = dict(data[order[offset]])
             record.setdefault("origin", "dataset")
             out.append(record)
@@ -72,7 +101,8 @@ class Svs(Recipe):
 
         c = self.c
         stage = SolutionChallengeStage(self.session.policy("policy").backend, candidates=c.variants,
-                                       params=self.session.params(ctx.seed), band=tuple(c.band),
-                                       max_solutions=c.max_solutions, batch_size=CHALLENGE_BATCH,
+                                       params=self.session.params(ctx.seed), band=c.band,
+                                       strict_band=c.strict_band, max_solutions=c.max_solutions,
+                                       batch_size=self.settings.generation.prompts_per_call,
                                        prompt=self.session.prompt("synthesis"))
         return ctx.run_stage(stage, [r for r in records if r.get("samples")])

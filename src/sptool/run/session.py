@@ -52,15 +52,11 @@ class Policy:
         if self._trainer is None:
             from sptool.train.step import PolicyTrainer, TrainConfig
 
-            c = self.session.config
-            train = c["train"]
-            config = TrainConfig(model=self.start, loss=train["loss"], beta=train["beta"],
-                                 learning_rate=train["learning_rate"], max_grad_norm=train["max_grad_norm"],
-                                 lora_r=train["lora_r"],
-                                 max_tokens_per_micro_batch=train["max_tokens_per_micro_batch"],
-                                 max_completion_tokens=c["generation"]["max_tokens"],
-                                 chat_template=c["model"]["chat_template"],
-                                 device=c["model"]["device"] or None, seed=c["run"]["seed"])
+            s = self.session.settings
+            config = TrainConfig(model=self.start, **s.train_options(),
+                                 max_completion_tokens=s.generation.max_tokens,  # Dr. GRPO's L
+                                 chat_template=s.model.chat_template, device=s.model.device or None,
+                                 seed=s.run.seed)
             self.session.say(f"loading {self.role} policy from {self.start}")
             self._trainer = PolicyTrainer(config, log=self.session.say)
         return self._trainer
@@ -68,15 +64,15 @@ class Policy:
     @property
     def backend(self):
         if self._backend is None:
-            c = self.session.config["model"]
-            if c["backend"] == "hf":
+            c = self.session.settings.model
+            if c.backend == "hf":
                 from sptool.models.hf import HFBackend
 
                 trainer = self.trainer
                 self._backend = HFBackend.from_model(
                     trainer.accelerator.unwrap_model(trainer.model), trainer.tokenizer,
-                    model_id=str(trainer.config.model), batch_size=c["gen_batch_size"],
-                    chat_template=c["chat_template"])
+                    model_id=str(trainer.config.model), batch_size=c.gen_batch_size,
+                    chat_template=c.chat_template)
             else:
                 self._backend = self.session.load_generator(self.start)
         return self._backend
@@ -84,7 +80,7 @@ class Policy:
     def after_update(self, checkpoint: str) -> None:
         """New weights: the shared ``hf`` backend sees them already; others reload."""
         self.start = checkpoint
-        backend = self.session.config["model"]["backend"]
+        backend = self.session.settings.model.backend
         if backend not in ("hf", "scripted") and self._backend is not None:
             self._backend.close()
             self._backend = None
@@ -100,7 +96,10 @@ class Session:
     """Models, graders and held-out sets of one run (loaded lazily, closed at the end)."""
 
     def __init__(self, config: dict, run_dir: RunDir, log: Callable[[str], None] | None = None):
+        from sptool.recipes.config import Sections
+
         self.config = config
+        self.settings = Sections.of(config)  # the shared sections, typed
         self.run_dir = run_dir
         self.log = log
         self.policies: dict[str, Policy] = {}
@@ -119,7 +118,7 @@ class Session:
 
     @property
     def shared_policy(self) -> bool:
-        return self.config["train"]["shared_policy"]
+        return self.settings.train.shared_policy
 
     def roles(self) -> list[str]:
         return ["policy"] if self.shared_policy else ["questioner", "solver"]
@@ -138,38 +137,38 @@ class Session:
         entries = [(key, read_jsonl(self.run_dir.path / entry["output"]))
                    for key, entry in zip(self.run_dir.manifest.get("order", []), self.run_dir.entries())
                    if entry["kind"] == "train"]
-        found, self.replay = replay_plan(entries, self.run_dir.path, self.config["model"]["policy"])
-        starts = {role: found.get(role, self.config["model"]["policy"]) for role in self.roles()}
+        found, self.replay = replay_plan(entries, self.run_dir.path, self.settings.model.policy)
+        starts = {role: found.get(role, self.settings.model.policy) for role in self.roles()}
         self.policies = {role: Policy(self, role, start) for role, start in starts.items()}
 
     def prompts_per_call(self, samples: int) -> int:
         """Prompts per generate call so that one call fills the backend's batch
         (``model.gen_batch_size`` sequences, ``samples`` per prompt)."""
-        return max(1, self.config["model"]["gen_batch_size"] // max(1, samples))
+        return max(1, self.settings.model.gen_batch_size // max(1, samples))
 
     def load_generator(self, model: str):
         from sptool.models.base import load_backend
 
-        c = self.config["model"]
-        if c["backend"] == "scripted":
-            return load_backend("scripted", c["script"] or "scripted")
-        return load_backend(c["backend"], model, device=c["device"] or None, dtype=c["dtype"] or None,
-                            batch_size=c["gen_batch_size"], chat_template=c["chat_template"], log=self.say)
+        c = self.settings.model
+        if c.backend == "scripted":
+            return load_backend("scripted", c.script or "scripted")
+        return load_backend(c.backend, model, device=c.device or None, dtype=c.dtype or None,
+                            batch_size=c.gen_batch_size, chat_template=c.chat_template, log=self.say)
 
     @property
     def judge(self):
         """R-Quest's frozen novelty judge: the base model (or ``model.judge``), never trained."""
         if self._judge is None:
-            c = self.config["model"]
-            self._judge = self.load_generator(c["judge"] or c["policy"])
+            c = self.settings.model
+            self._judge = self.load_generator(c.judge or c.policy)
         return self._judge
 
     def verifier(self, pseudo_label: bool):
         from sptool.verify import VerifyStage
 
         if self._verifier is None:
-            v = self.config["verify"]
-            self._verifier = VerifyStage(workers=v["workers"], deadline_s=v["deadline_s"])
+            v = self.settings.verify
+            self._verifier = VerifyStage(workers=v.workers, deadline_s=v.deadline_s)
         self._verifier.pseudo_label = pseudo_label
         return self._verifier
 
@@ -182,15 +181,15 @@ class Session:
     def params(self, seed: int, max_tokens: int | None = None):
         from sptool.models.base import SamplingParams
 
-        g = self.config["generation"]
-        return SamplingParams(temperature=g["temperature"], top_p=g["top_p"],
-                              max_new_tokens=max_tokens or g["max_tokens"], seed=seed)
+        g = self.settings.generation
+        return SamplingParams(temperature=g.temperature, top_p=g.top_p,
+                              max_new_tokens=max_tokens or g.max_tokens, seed=seed)
 
     def eval_sets(self) -> list[tuple[str, list[dict]]]:
         """The held-out benchmarks of ``eval.benchmarks`` (read and checked once, at the start)."""
         if self._eval_sets is None:
             self._eval_sets = []
-            for path in [p.strip() for p in self.config["eval"]["benchmarks"].split(",") if p.strip()]:
+            for path in [p.strip() for p in self.settings.eval.benchmarks.split(",") if p.strip()]:
                 problems = read_labelled_problems(path, "a held-out benchmark")
                 name = Path(path).name.split(".")[0]
                 if any(name == known for known, _ in self._eval_sets):
@@ -278,7 +277,7 @@ class Session:
     def _save(self, ctx: StepContext, role: str, trainer, directory) -> None:
         """Write the checkpoint: in the background from a CPU copy when the generator shares the
         weights (hf, scripted), else (and under a test's kill point) before going on."""
-        write = snapshot(trainer) if self.config["model"]["backend"] not in RELOADING_BACKENDS else None
+        write = snapshot(trainer) if self.settings.model.backend not in RELOADING_BACKENDS else None
         if write is None or faults.kill_requested(ctx.key, "checkpoint"):
             self.writer.wait()
             with faults.checkpoint_kill_point(ctx.key):
@@ -293,7 +292,7 @@ class Session:
         self.writer.submit(write_and_prune)
 
     def _prune(self, role: str) -> None:
-        keep = self.config["run"]["keep"]
+        keep = self.settings.run.keep
         if not keep:
             return
         directories = sorted((p for p in (self.run_dir.path / "ckpt" / role).glob("step-*") if is_complete(p)),
@@ -306,15 +305,15 @@ class Session:
         def evaluate(ctx: StepContext, records: list[dict]) -> list[dict]:
             from sptool.evaluate import evaluate_benchmark
 
-            e = self.config["eval"]
+            e = self.settings.eval
             backend = self.policy("solver").backend
             out = []
             for name, problems in self.eval_sets():
                 result, _ = evaluate_benchmark(
-                    name, problems, backend, samples=e["samples"],
-                    ks=tuple(sorted({1, e["samples"]})) if e["samples"] else (),
-                    params=self.params(ctx.seed, e["max_tokens"] or None), verifier=self.verifier(False),
-                    batch_size=self.prompts_per_call(e["samples"]),
+                    name, problems, backend, samples=e.samples,
+                    ks=tuple(sorted({1, e.samples})) if e.samples else (),
+                    params=self.params(ctx.seed, e.max_tokens or None), verifier=self.verifier(False),
+                    batch_size=self.prompts_per_call(e.samples),
                     greedy_batch_size=self.prompts_per_call(1), prompt=self.prompt("solve"))
                 out.append({"id": content_id("eval", name, after_iteration), "benchmark": name,
                             "after_iteration": after_iteration, **result.as_dict()})
