@@ -650,3 +650,89 @@ def test_temp_files_of_a_killed_run_are_removed_at_the_next_start(tmp_path):
     assert result.returncode == 0, result.stderr
     assert not stale.exists() and legacy_live.exists()
     assert read_jsonl(out_dir / "next.jsonl")[0]["p_hat"] == 0.5
+
+
+# ---------------------------------------------------------------- 6. run directories
+
+from test_run import ENV as RUN_ENV, random_policy, scripted_args  # noqa: E402,F401 - fixture reuse
+
+
+@pytest.mark.slow
+def test_kill_after_a_new_checkpoint_before_the_manifest_resumes(tmp_path, random_policy):
+    """--keep 1 used to prune the old checkpoint before the manifest named the new one: a kill in
+    between left "model directory …/step-0001 does not exist" on every --resume."""
+    run_dir = tmp_path / "run"
+    args = scripted_args("svs", run_dir, random_policy)
+    result = run_sptool(*args, env={**RUN_ENV, "SPTOOL_TEST_KILL_AT": "2/train:save"})
+    assert result.returncode == -signal_number("SIGKILL"), result.stderr
+    assert (run_dir / "ckpt" / "policy" / "step-0001").is_dir()  # still named by the manifest
+    result = run_sptool(*args, "--resume", env=RUN_ENV)
+    assert result.returncode == 0, result.stderr
+    steps = sorted(p.name for p in (run_dir / "ckpt" / "policy").iterdir())
+    assert steps == ["step-0002"]  # pruned once the manifest named step-0002
+
+
+def signal_number(name: str) -> int:
+    import signal
+
+    return int(getattr(signal, name))
+
+
+def _prepared_run_dir(tmp_path):
+    import gc
+
+    from sptool.recipes import load_config
+    from sptool.run.driver import RunDriver
+
+    run_dir = tmp_path / "run"
+    driver = RunDriver(load_config("svs", tiny=True), run_dir)
+    driver._prepare_dir()
+    from sptool.run import run_dir as module
+
+    module._HELD.pop(os.path.realpath(run_dir)).close()  # as if that process had ended
+    del driver
+    gc.collect()
+    return run_dir
+
+
+def test_a_run_directory_in_use_is_refused_with_one_line(tmp_path):
+    import fcntl
+
+    run_dir = _prepared_run_dir(tmp_path)
+    with open(run_dir / ".lock", "w") as held:  # another live `sptool run` holds the directory
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242\n")
+        held.flush()
+        result = run_sptool("run", "--recipe", "svs", "--tiny", "--run-dir", str(run_dir), "--resume")
+        line = one_error_line(result)
+        assert "in use by another sptool run (pid 4242)" in line
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["order"] == []  # nothing was touched
+
+
+def test_corrupt_run_state_is_one_line(tmp_path):
+    run_dir = _prepared_run_dir(tmp_path)
+    (run_dir / "manifest.json").write_text('{"format": 1, "stages": {')
+    result = run_sptool("run", "--recipe", "svs", "--tiny", "--run-dir", str(run_dir), "--resume")
+    assert "manifest.json is corrupt" in one_error_line(result, code=1)
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    result = run_sptool("run", "--recipe", "svs", "--tiny", "--run-dir", str(a_file))
+    assert "is a file, not a directory" in one_error_line(result)
+    (run_dir / "metrics.jsonl").write_text('{"iteration": 1, "stage": "solve"}\n{"iteration": 2, "sta\n')
+    (run_dir / "manifest.json").write_text('{"format": 1, "stages": {}, "order": []}')
+    result = run_sptool("report", str(run_dir))
+    assert f"{run_dir / 'metrics.jsonl'}:2: not valid JSON" in one_error_line(result)
+
+
+def test_a_corrupt_pool_file_is_one_line(tmp_path):
+    from sptool.corpus.pool import LeafPool
+
+    pool = tmp_path / "pool"
+    LeafPool(pool).path_for("Pythagorean theorem").write_text('{"url": "http://a", "text": "ok"}\n{"url": \n')
+    paths = tmp_path / "paths.jsonl"
+    shutil.copy(FIXTURES / "paths.jsonl", paths)
+    result = run_sptool("corpus", "fetch", str(paths), "--search", f"local:{FIXTURES / 'web'}", "--encoder", "none",
+                        "--pool", str(pool))
+    line = one_error_line(result)
+    assert ".jsonl:2: not valid JSON" in line and str(pool) in line

@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from sptool.records import UsageError
+from sptool.records import InputError, UsageError
 
 
 def load_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
@@ -28,9 +28,18 @@ def load_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UsageError(f"{run_dir}: no metrics.jsonl (not a `sptool run` directory?)")
-    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    from sptool.jsonl import read_records
+
+    lines = list(read_records(path))  # a corrupt line: one error at metrics.jsonl:LINE, exit 2
     manifest_path = run_dir / "manifest.json"
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8")) if manifest_path.is_file() else {}
+    manifest: dict = {}
+    if manifest_path.is_file():
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InputError(f"corrupt ({exc})", source=str(manifest_path)) from None
+        if not isinstance(manifest, dict):
+            raise InputError("corrupt (not a JSON object)", source=str(manifest_path))
     return lines, manifest
 
 

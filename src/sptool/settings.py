@@ -49,6 +49,11 @@ def format_value(value: Any) -> str:
 def range_error(field: dataclasses.Field, value: Any) -> str | None:
     """What is wrong with ``value`` for ``field`` (None when it is fine)."""
     m = field.metadata
+    import math
+
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+        return f"must be a finite number, got {format_value(value)}"
     if m.get("band"):
         low, high = value
         if not 0 <= low <= high <= 1:

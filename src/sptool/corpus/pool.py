@@ -7,12 +7,11 @@ without path-specific fields), written atomically. A leaf whose pool exists is s
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
-from sptool.jsonl import AtomicJsonlWriter
+from sptool.jsonl import AtomicJsonlWriter, read_records
 from sptool.records import content_id
 
 #: Fields that belong to one path record, not to the leaf's pool.
@@ -42,8 +41,7 @@ class LeafPool:
         path = self.path_for(leaf)
         if not path.is_file():
             return []
-        with open(path, encoding="utf-8") as handle:
-            return [json.loads(line) for line in handle if line.strip()]
+        return list(read_records(path))  # a corrupt pool line: one error at path:line
 
     def save(self, leaf: str, documents: list[dict]) -> list[dict]:
         """Merge ``documents`` into the leaf's pool (by URL; newer wins); return the pool."""

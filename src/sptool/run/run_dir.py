@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -27,6 +29,8 @@ from sptool.jsonl import AtomicJsonlWriter, write_json_atomic
 from sptool.records import RuntimeFailure, UsageError
 
 MANIFEST = "manifest.json"
+LOCK = ".lock"
+_HELD: dict[str, Any] = {}  # run directories this process has locked (held until it exits)
 FORMAT = 1
 
 
@@ -39,8 +43,20 @@ def file_sha256(path: Path) -> str:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    """A run file's records; a corrupt line is one error naming ``path:line`` (exit 1)."""
+    from sptool.jsonl import loads_strict
+
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(loads_strict(line))
+            except (ValueError, RecursionError) as exc:
+                raise RuntimeFailure(f"{path}:{number}: corrupt run file ({exc}); restore it or start "
+                                     "a new --run-dir") from None
+    return records
 
 
 def write_jsonl(path: Path, records: Iterable[dict], before_rename: Callable[[], None] | None = None) -> None:
@@ -65,21 +81,55 @@ class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.manifest: dict = {}
+        self._lock = None
+        self._prune: dict[str, tuple[int, Callable[[Path], bool]]] = {}  # role -> (keep, complete)
+        self._prune_lock = threading.RLock()
+
+    def lock(self) -> None:
+        """Hold ``.lock`` in the run directory for this process's lifetime: a second ``sptool run``
+        (two ``--resume``s) on the same directory is refused. The kernel drops the lock when the
+        process dies, even by SIGKILL, so a killed run can always be resumed."""
+        import fcntl
+
+        if self._lock is not None:
+            return
+        key = os.path.realpath(self.path)
+        if key in _HELD:  # this process holds it already (one process, several RunDir objects)
+            self._lock = _HELD[key]
+            return
+        handle = open(self.path / LOCK, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            owner = handle.read().strip() or "another process"
+            handle.close()
+            raise UsageError(f"run directory {self.path} is in use by another sptool run "
+                             f"(pid {owner}); wait for it or stop it first") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        self._lock = _HELD[key] = handle
 
     def prepare(self, config: dict, *, resume: bool, defaults: dict, config_text: Callable[[], str]) -> bool:
         """Create a new run directory, or open one to resume; returns whether it resumes."""
         recipe = config["recipe"]
         manifest_path = self.path / MANIFEST
+        if self.path.exists() and not self.path.is_dir():
+            raise UsageError(f"--run-dir {self.path} is a file, not a directory; choose another --run-dir")
         if resume:
             if manifest_path.is_file():
+                self.lock()
                 self._open(config, defaults)
                 return True
-            if self.path.exists() and any(self.path.iterdir()):
+            if self.path.exists() and any(p.name != LOCK for p in self.path.iterdir()):
                 raise UsageError(f"--resume: {self.path} has no {MANIFEST}; not a run directory")
-        elif self.path.exists() and any(self.path.iterdir()):
+        elif self.path.exists() and any(p.name != LOCK for p in self.path.iterdir()):
             raise UsageError(f"run directory {self.path} is not empty; use --resume to continue "
                              f"it or choose another --run-dir")
         self.path.mkdir(parents=True, exist_ok=True)
+        self.lock()
         (self.path / "config.toml").write_text(config_text(), encoding="utf-8")
         self.manifest = {"format": FORMAT, "recipe": recipe, "config": config,
                          "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "stages": {}, "order": []}
@@ -88,7 +138,14 @@ class RunDir:
 
     def _open(self, config: dict, defaults: dict) -> None:
         recipe = config["recipe"]
-        self.manifest = json.loads((self.path / MANIFEST).read_text(encoding="utf-8"))
+        try:
+            self.manifest = json.loads((self.path / MANIFEST).read_text(encoding="utf-8"))
+            if not isinstance(self.manifest, dict) or not isinstance(self.manifest.get("stages"), dict) \
+                    or not isinstance(self.manifest.get("order"), list):
+                raise ValueError("not a manifest object with 'stages' and 'order'")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RuntimeFailure(f"--resume: {self.path / MANIFEST} is corrupt ({exc}); the run cannot "
+                                 "be resumed from it (restore it from a backup or start a new --run-dir)") from None
         if self.manifest.get("recipe") != recipe:
             raise UsageError(f"--resume: {self.path} is a '{self.manifest.get('recipe')}' run, "
                              f"not '{recipe}'")
@@ -122,6 +179,48 @@ class RunDir:
         self.manifest["stages"][key] = entry
         self.manifest["order"].append(key)
         self.save()
+        self._prune_checkpoints()
+
+    def prune(self, role: str, keep: int, complete: Callable[[Path], bool] = Path.is_dir) -> None:
+        """Remove ``role``'s older checkpoints down to the newest ``keep`` complete ones, except the
+        one the manifest's latest train step names (a resume starts there): it goes at a later
+        :meth:`finish`, once the manifest naming a newer checkpoint is on disk. So a kill between
+        a new checkpoint and its manifest entry never loses the checkpoint the run resumes from."""
+        if not keep:
+            return
+        with self._prune_lock:
+            self._prune[role] = (keep, complete)
+            self._prune_role(role, keep, complete)
+
+    def _prune_checkpoints(self) -> None:
+        with self._prune_lock:
+            for role, (keep, complete) in self._prune.items():
+                self._prune_role(role, keep, complete)
+
+    def _prune_role(self, role: str, keep: int, complete: Callable[[Path], bool]) -> None:
+        directories = sorted((p for p in (self.path / "ckpt" / role).glob("step-*") if complete(p)),
+                             key=lambda p: int(p.name.split("-")[1]))
+        named = self._named_checkpoints()
+        for old in directories[:-keep]:
+            if old.resolve() not in named:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _named_checkpoints(self) -> set[Path]:
+        """The checkpoint each role's latest recorded train step names, per the manifest."""
+        named: dict[str, Path] = {}
+        for key in reversed(self.manifest.get("order", [])):
+            entry = self.manifest["stages"].get(key, {})
+            if entry.get("kind") != "train":
+                continue
+            try:
+                records = read_jsonl(self.path / entry["output"])
+            except (OSError, RuntimeFailure):
+                continue
+            for record in records:
+                role, checkpoint = record.get("role"), record.get("checkpoint")
+                if role and checkpoint and role not in named:
+                    named[role] = (self.path / checkpoint).resolve()
+        return set(named.values())
 
     def entries(self) -> Iterable[dict]:
         """Finished steps' entries in the order they finished."""

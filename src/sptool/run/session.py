@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -292,13 +291,9 @@ class Session:
         self.writer.submit(write_and_prune)
 
     def _prune(self, role: str) -> None:
-        keep = self.settings.run.keep
-        if not keep:
-            return
-        directories = sorted((p for p in (self.run_dir.path / "ckpt" / role).glob("step-*") if is_complete(p)),
-                             key=lambda p: int(p.name.split("-")[1]))
-        for old in directories[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        """Older checkpoints down to ``run.keep``, never one the manifest on disk still names
+        (those go once the manifest names a newer one: :meth:`RunDir.finish`)."""
+        self.run_dir.prune(role, self.settings.run.keep, complete=is_complete)
 
     def evaluate(self, after_iteration: int) -> StepFunction:
         """Greedy accuracy, mean@k and pass@k of the current solver weights on each benchmark."""
