@@ -662,7 +662,8 @@ def test_kill_after_a_new_checkpoint_before_the_manifest_resumes(tmp_path, rando
     """--keep 1 used to prune the old checkpoint before the manifest named the new one: a kill in
     between left "model directory …/step-0001 does not exist" on every --resume."""
     run_dir = tmp_path / "run"
-    args = scripted_args("svs", run_dir, random_policy)
+    args = scripted_args("svs", run_dir, random_policy, "--set", "run.checkpoint_every=1",
+                         "--set", "train.lora_r=4")  # LoRA: the checkpoint is written before going on
     result = run_sptool(*args, env={**RUN_ENV, "SPTOOL_TEST_KILL_AT": "2/train:save"})
     assert result.returncode == -signal_number("SIGKILL"), result.stderr
     assert (run_dir / "ckpt" / "policy" / "step-0001").is_dir()  # still named by the manifest
@@ -736,3 +737,17 @@ def test_a_corrupt_pool_file_is_one_line(tmp_path):
                         "--pool", str(pool))
     line = one_error_line(result)
     assert ".jsonl:2: not valid JSON" in line and str(pool) in line
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ("verify.deadline_s=-1", "key 'verify.deadline_s': must be > 0, got -1"),
+    ("train.learning_rate=-1", "key 'train.learning_rate': must be > 0, got -1"),
+    ("train.learning_rate=inf", "key 'train.learning_rate': must be a finite number, got inf"),
+])
+def test_run_refuses_bad_config_values_before_any_work(tmp_path, setting, expected):
+    """verify.deadline_s=-1 graded nothing, trained nothing and exited 0; learning_rate=-1 was
+    refused only at the first train stage."""
+    run_dir = tmp_path / "run"
+    result = run_sptool("run", "--recipe", "svs", "--tiny", "--run-dir", str(run_dir), "--set", setting)
+    assert expected in one_error_line(result)
+    assert not run_dir.exists()
