@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import read_jsonl, run_sptool, write_jsonl
+from test_run import random_policy  # noqa: F401 - a fixture
 from sptool.gym import MATH_TASKS, generate
 from sptool.verify import VerifyStage
 
@@ -102,3 +103,19 @@ def test_gym_records_through_the_verify_command(tmp_path):
     verified = run_sptool("verify", "--workers", "1", str(path))
     assert verified.returncode == 0, verified.stderr
     assert [r["p_hat"] for r in read_jsonl(verified.stdout)] == [0.5, 0.5]
+
+
+@pytest.mark.slow
+def test_a_gym_file_trains_through_run(tmp_path, random_policy):
+    """The labelled set feeds a training run (svs: the recipe that takes a labelled --data file)."""
+    from test_run import ENV, scripted_args
+
+    data = tmp_path / "gym.jsonl"
+    made = run_sptool("data", "gym", "basic_arithmetic", "chain_sum", "-n", "8", "--seed", "0", "-o", str(data))
+    assert made.returncode == 0, made.stderr
+    args = scripted_args("svs", tmp_path / "run", random_policy)
+    args[args.index("--data") + 1] = str(data)
+    result = run_sptool(*args, "-n", "1", env=ENV)
+    assert result.returncode == 0, result.stderr
+    sampled = read_jsonl(next((tmp_path / "run" / "iter-0001").glob("*-sample.jsonl")))
+    assert {r["task"] for r in sampled} <= {"basic_arithmetic", "chain_sum"} and sampled

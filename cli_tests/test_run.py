@@ -221,7 +221,7 @@ def test_scripted_recipe_runs_every_stage(recipe, tmp_path, random_policy):
                  "posterior-update"],
     }[recipe]
     iterations = 2 if recipe in ("svs", "wist") else 1
-    assert stages == expected * iterations
+    assert stages == (expected + ["health"]) * iterations  # every iteration ends with its curriculum health
     for key, entry in manifest["stages"].items():
         path = run_dir / entry["output"]
         assert len(read_jsonl(path)) == entry["records"]
@@ -439,7 +439,7 @@ def test_held_out_eval_before_during_and_after_the_run(tmp_path, random_policy):
     assert result.returncode == 0, result.stderr
     manifest = json.loads((run_dir / "manifest.json").read_text())
     stages = [key.split("/")[1].split("-", 1)[1] for key in manifest["order"]]
-    assert stages[0] == "eval-before" and stages.count("eval") == 2 and stages[-1] == "eval"
+    assert stages[0] == "eval-before" and stages.count("eval") == 2 and stages[-2:] == ["eval", "health"]
     evals = [line for line in read_jsonl(run_dir / "metrics.jsonl") if line["kind"] == "eval"]
     assert [line["after_iteration"] for line in evals] == [0, 1, 2]
     # the scripted solver's samples cycle 42, 180, 42, 7 and its greedy answer is the first, 42:
@@ -496,5 +496,6 @@ def test_tiny_recipe_completes_with_the_real_model(recipe, tmp_path):
     wall = time.monotonic() - start
     assert result.returncode == 0, result.stderr
     manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert manifest["order"][-1].endswith("train") or manifest["order"][-1].endswith("posterior-update")
+    assert manifest["order"][-1].endswith("-health")
+    assert manifest["order"][-2].endswith("train") or manifest["order"][-2].endswith("posterior-update")
     print(f"\n{recipe} --tiny (1 iteration): {wall:.0f}s")

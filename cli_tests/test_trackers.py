@@ -25,6 +25,7 @@ def test_parse_log_with():
         parse_log_with(["tensorbord"])
 
 
+@pytest.mark.slow
 def test_run_logs_metrics_and_plots_that_tensorboard_and_trackio_read_back(tmp_path, random_policy):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -57,6 +58,7 @@ def test_run_logs_metrics_and_plots_that_tensorboard_and_trackio_read_back(tmp_p
         == [(i + 1, round(m["accuracy"], 6)) for i, m in enumerate(metrics)]
 
 
+@pytest.mark.slow
 def test_unknown_or_missing_tracker_is_a_usage_error(tmp_path, random_policy):
     result = run_sptool(*scripted_args("svs", tmp_path / "r", random_policy), "--log-with", "tensorbord", env=ENV)
     assert result.returncode == 2 and "did you mean 'tensorboard'" in result.stderr

@@ -9,6 +9,10 @@ Plots, one file each (only those the run has data for):
   validity-gate pass rate and the novelty rate;
 - ``diversity.png``: distinct-question ratio and mean pairwise 1 − BLEU of the generated questions;
 - ``tree_posteriors.png`` (WIST): each tree node's posterior mean after every posterior update;
+- ``health.png``: curriculum health per iteration (valid-question rate, near-duplicate shares,
+  learning-signal shares, pseudo-label accuracy on the ``--probe`` set);
+- ``difficulty.png``: the share of graded questions per p̂ bin (all-easy or all-impossible piles up
+  at 1 or 0);
 - ``heldout.png``: greedy accuracy, mean@k and pass@k on the ``--eval`` benchmarks, before training
   (iteration 0) and after the evaluated iterations.
 """
@@ -80,6 +84,18 @@ def series(lines: list[dict]) -> dict[str, dict[str, dict[int, float]]]:
                     # the unbiased pass@1 is mean@k by definition: one line, not two on top of each other
                     if value is not None and not (metric == "pass@1" and "mean@k" in values):
                         raw["heldout"][f"{name} {metric}"][after].append(value)
+        elif kind == "health":
+            for key, label in (("valid_rate", "valid-question rate"),
+                               ("duplicate_share_within", "near-duplicates within the iteration"),
+                               ("duplicate_share_earlier", "near-duplicates of earlier iterations"),
+                               ("signal_share", "questions with a learning signal (0 < p̂ < 1)"),
+                               ("group_signal_share", "training groups with a non-zero advantage"),
+                               ("pseudo_label_accuracy", "pseudo-label accuracy on the probe set")):
+                if line.get(key) is not None:
+                    raw["health"][label][it].append(line[key])
+            if line.get("graded"):
+                for label, share in (line.get("difficulty") or {}).items():
+                    raw["difficulty"][f"p̂ {label}"][it].append(share)
         elif kind == "posterior-update":
             for node in line.get("tree") or []:
                 raw["tree"][f"{node['label']} (d{node['depth']})"][it].append(node["mean"])
@@ -94,9 +110,12 @@ TITLES = {
     "diversity": ("Question diversity", "value"),
     "tree": ("WIST tree: posterior mean per node", "posterior mean α̃/(α̃+β̃)"),
     "heldout": ("Held-out benchmarks (iteration 0: before training)", "accuracy"),
+    "health": ("Curriculum health", "share"),
+    "difficulty": ("Difficulty of graded questions (share per p̂ bin)", "share of questions"),
 }
 FILES = {"rewards": "rewards.png", "accuracy": "accuracy.png", "validity": "validity_novelty.png",
-         "diversity": "diversity.png", "tree": "tree_posteriors.png", "heldout": "heldout.png"}
+         "diversity": "diversity.png", "tree": "tree_posteriors.png", "heldout": "heldout.png",
+         "health": "health.png", "difficulty": "difficulty.png"}
 
 
 def write_plots(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
@@ -155,6 +174,10 @@ def summary_text(run_dir: str | Path) -> str:
                 checkpoints.append(role)
     out = [f"run {run_dir}: recipe {manifest.get('recipe', '?')}, {len(iterations)} iteration(s), "
            f"{len(lines)} stages, {wall:.1f}s of stage time, {len(checkpoints)} training update(s)"]
+    screened = [line for line in lines if "contaminated" in line]
+    if screened:
+        out.append(f"decontamination: {sum(line['contaminated'] for line in screened)} generated question(s) "
+                   f"or document(s) overlapped a benchmark, in {len(screened)} screened stage(s)")
     for plot, labels in series(lines).items():
         if plot == "tree":
             last = max(iterations)

@@ -34,7 +34,7 @@ class RunProgress:
         return f", ETA {mean * (total - done + 1) - (time.monotonic() - self.iteration_started):.0f}s"
 
     def __call__(self, event: dict) -> None:
-        if self.quiet:
+        if self.quiet and event["event"] != "warning":  # warnings are shown even with --quiet
             return
         kind = event["event"]
         if kind == "iteration":
@@ -59,6 +59,10 @@ class RunProgress:
         elif kind == "stage-replayed":
             common.err_console.print(f"  {event['stage']}: training again from the newest checkpoint "
                                      f"({', '.join(event['roles'])})", markup=False, style="dim")
+        elif kind == "warning":
+            self._update(None)
+            common.err_console.print(f"warning: {event['message']}", markup=False, style="yellow")
+            return
         elif kind == "stage-skipped":
             common.err_console.print(f"  {event['stage']}: done before ({event['records']} records, "
                                      f"read back)", markup=False, style="dim")
@@ -101,6 +105,8 @@ def run(
                                          "(eval.benchmarks; repeatable)."),
     eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Also evaluate after every N-th "
                                              "iteration (eval.every)."),
+    probe: Optional[str] = typer.Option(None, "--probe", help="Labelled probe JSONL (question, answer): each "
+                                        "iteration reports the pseudo-label accuracy on it (health.probe)."),
     log_with: List[str] = typer.Option([], "--log-with", help="Also send per-iteration metrics and the report's "
                                        "plots to tensorboard, trackio and/or wandb (repeatable or "
                                        "comma-separated; metrics.jsonl stays the record)."),
@@ -117,7 +123,8 @@ def run(
 
     shortcuts = [(iterations, "run.iterations"), (data, "svs.data"), (model, "model.policy"),
                  (backend, "model.backend"), (seed, "run.seed"), (keep, "run.keep"),
-                 (",".join(eval_files) or None, "eval.benchmarks"), (eval_every, "eval.every")]
+                 (",".join(eval_files) or None, "eval.benchmarks"), (eval_every, "eval.every"),
+                 (probe, "health.probe")]
     extra = []
     for value, key in shortcuts:
         if value is None:

@@ -32,6 +32,8 @@ class RunConfig:
     checkpoint_every: int = setting(10, "write checkpoints after every N-th iteration and the last one; "
                                     "a resumed run replays the train steps since the newest one",
                                     minimum=1)
+    stop_on_collapse: bool = setting(False, "a crossed health.* threshold stops the run (exit 3, "
+                                     "resumable; thresholds may change on --resume)")
 
 
 @dataclass
@@ -86,9 +88,34 @@ class EvalConfig:
     max_tokens: int = setting(0, "new tokens per solution (0: generation.max_tokens)", minimum=0)
 
 
+@dataclass
+class DecontaminateConfig:
+    benchmarks: str = setting("", "benchmark JSONL files (question, id), comma-separated, screened out of "
+                              "every generated question and WIST document; empty: off")
+    ngram: int = setting(13, "a shared run of this many normalised words marks a copy", minimum=1)
+    minhash_threshold: float = setting(0.7, "MinHash Jaccard (word pairs) of a near-copy; 0: n-grams only",
+                                       minimum=0, maximum=1)
+
+
+@dataclass
+class HealthConfig:
+    probe: str = setting("", "labelled probe JSONL (question, answer) for pseudo-label accuracy; "
+                         "empty: off (also --probe)")
+    probe_samples: int = setting(8, "solver samples per probe question (the vote)", minimum=1)
+    min_valid_rate: float = setting(0.0, "warn (stop with run.stop_on_collapse) below this "
+                                    "valid-question rate", minimum=0, maximum=1)
+    max_duplicate_share: float = setting(1.0, "warn (stop with run.stop_on_collapse) above this share of near-duplicate questions",
+                                         minimum=0, maximum=1)
+    min_signal_share: float = setting(0.0, "warn (stop with run.stop_on_collapse) below this share of groups with a learning signal",
+                                      minimum=0, maximum=1)
+    min_pseudo_label_accuracy: float = setting(0.0, "warn (stop with run.stop_on_collapse) below this pseudo-label accuracy on the probe",
+                                               minimum=0, maximum=1)
+
+
 COMMON_SECTIONS: dict[str, type] = {
     "run": RunConfig, "model": ModelConfig, "generation": GenerationConfig, "train": TrainSection,
-    "verify": VerifyConfig, "eval": EvalConfig,
+    "verify": VerifyConfig, "decontaminate": DecontaminateConfig, "health": HealthConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -112,6 +139,8 @@ class Sections:
     generation: GenerationConfig
     train: TrainSection
     verify: VerifyConfig
+    decontaminate: DecontaminateConfig
+    health: HealthConfig
     eval: EvalConfig
 
     @classmethod

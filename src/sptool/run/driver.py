@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable
 
 from sptool.records import RuntimeFailure
-from sptool.run import faults
+from sptool.run import faults, watch
 from sptool.run.metrics import step_metrics
 from sptool.run.run_dir import MANIFEST, RunDir  # noqa: F401 - MANIFEST is part of the API
 from sptool.run.session import Session
@@ -61,10 +61,15 @@ class RunDriver:
                 steps.insert(0, Step("eval-before", self.session.evaluate(0), kind="eval"))
             if iteration == self.session.settings.run.iterations or (every and iteration % every == 0):
                 steps.append(Step("eval", self.session.evaluate(iteration), kind="eval"))
+        if watch.probe_problems(self.config):
+            steps += watch.probe_steps(self.session, self.config["health"]["probe_samples"])
+        steps.append(watch.health_step(self.session, steps))
         return steps
 
     def run(self) -> dict:
         self.session.eval_sets()  # a bad benchmark file fails here, before the run directory or a model
+        watch.probe_problems(self.config)
+        watch.decontamination_index(self.config)
         self._prepare_dir()
         self.session.restore()
         self.recipe.restore(self.run_dir)
@@ -86,10 +91,14 @@ class RunDriver:
                         resumed += 1
                         self.emit({"event": "stage-skipped", "stage": key, "iteration": iteration,
                                    "records": entry["records"]})
+                        if step.metrics_kind == "health":
+                            self._check_health(iteration, outputs[step.name]())
                         continue
                     records = self._run_step(step, key, iteration, index, len(steps), outputs)
                     outputs[step.name] = (lambda r=records: r)
                     ran += 1
+                    if step.metrics_kind == "health":
+                        self._check_health(iteration, records)
         finally:
             self.session.close()
         return {"run_dir": str(self.run_dir.path), "stages_run": ran, "stages_resumed": resumed,
@@ -121,6 +130,17 @@ class RunDriver:
                                          f"{record.get('step')}, the run recorded "
                                          f"{recorded[record['role']].get('step')}")
 
+    def _check_health(self, iteration: int, records: list[dict]) -> None:
+        """Warn for each health threshold the iteration crosses; stop with ``run.stop_on_collapse``."""
+        reasons = watch.health_warnings(self.config, records[0]) if records else []
+        for reason in reasons:
+            self.emit({"event": "warning", "iteration": iteration,
+                       "message": f"iteration {iteration}: curriculum health: {reason}"})
+        if reasons and self.config["run"]["stop_on_collapse"]:
+            raise watch.RunStopped(f"run stopped after iteration {iteration} (run.stop_on_collapse): "
+                                   f"{'; '.join(reasons)}. The run is resumable: change the health "
+                                   f"thresholds or run.stop_on_collapse and --resume")
+
     def _run_step(self, step: Step, key: str, iteration: int, index: int, total: int,
                   outputs: dict) -> list[dict]:
         self.emit({"event": "stage", "stage": key, "iteration": iteration, "index": index, "total": total})
@@ -129,8 +149,9 @@ class RunDriver:
         ctx = StepContext(self, iteration, key, step, seed, outputs)
         begin = time.monotonic()
         records = run_step(ctx, ctx.inputs())
-        wall = time.monotonic() - begin
         kind = step.metrics_kind
+        records, contaminated = watch.screen(self.config, ctx, kind, records)
+        wall = time.monotonic() - begin
         entry = self.run_dir.write_step(key, kind, records, seed=seed, rejects=ctx.rejects,
                                         documents={name: doc for name, (doc, _) in ctx.documents.items()},
                                         before_rename=lambda: faults.kill_point(key, "save"))
@@ -139,6 +160,8 @@ class RunDriver:
             if summary is not None:
                 metrics[name] = summary
         metrics["rejected"] = len(ctx.rejects)
+        if kind in watch.SCREENED_KINDS and watch.benchmark_paths(self.config):
+            metrics["contaminated"] = contaminated
         entry["metrics_line"] = {"iteration": iteration, "stage": step.name, "kind": kind,
                                  "records": len(records), "wall_s": round(wall, 3), **metrics}
         self.run_dir.finish(key, entry)

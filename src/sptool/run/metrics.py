@@ -93,10 +93,19 @@ def corpus_fetch_metrics(records: list[dict]) -> dict:
     return {"documents": len(records), "leaves": len({r.get("leaf") for r in records})}
 
 
+def health_metrics(records: list[dict]) -> dict:
+    """The iteration's curriculum health (one record, see :mod:`sptool.run.health`)."""
+    return {key: value for key, value in (records[0] if records else {}).items() if key not in ("id", "iteration")}
+
+
+def probe_metrics(records: list[dict]) -> dict:
+    return {"pseudo_label_accuracy": mean(1.0 if r.get("pseudo_label_correct") else 0.0 for r in records)}
+
+
 METRICS: dict[str, Callable[[list[dict]], dict]] = {
     "challenge": challenge_metrics, "verify": verify_metrics, "novelty": novelty_metrics,
     "filter": filter_metrics, "solve": solve_metrics, "train": train_metrics, "eval": eval_metrics,
-    "corpus-fetch": corpus_fetch_metrics,
+    "corpus-fetch": corpus_fetch_metrics, "health": health_metrics, "probe": probe_metrics,
 }
 
 

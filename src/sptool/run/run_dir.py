@@ -75,6 +75,13 @@ def changed_keys(config: dict, saved: dict, defaults: dict) -> list[str]:
                   if saved.get(s, {}).get(k, defaults.get(s, {}).get(k)) != config[s][k])
 
 
+def resumable_change(key: str) -> bool:
+    """Keys a resumed run may change: more iterations, and the curriculum-health alarms (a run
+    stopped by one continues after raising its threshold)."""
+    return key in ("run.iterations", "run.stop_on_collapse") or key.startswith("health.min_") \
+        or key.startswith("health.max_")
+
+
 class RunDir:
     """One run's directory and its manifest (``order``: finished step keys; ``stages``: entries)."""
 
@@ -152,7 +159,7 @@ class RunDir:
         saved = self.manifest.get("config")
         if saved and saved != config:
             changed = changed_keys(config, saved, defaults)
-            if any(key != "run.iterations" for key in changed):
+            if any(not resumable_change(key) for key in changed):
                 raise UsageError(f"--resume: the configuration differs from the run's "
                                  f"({', '.join(changed[:5])}); resume with the same options")
             self.manifest["config"] = config

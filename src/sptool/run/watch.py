@@ -1,0 +1,177 @@
+"""Watching a run: benchmark decontamination of what it generates, and curriculum health.
+
+- :func:`screen`: with ``decontaminate.benchmarks`` set, every generated question (the output of a
+  step of kind ``challenge``, in every recipe) that overlaps a benchmark problem is kept but
+  marked ``valid: false`` (the questioner gets the penalty of an invalid question, no solver sees
+  it), and WIST's fetched documents (kind ``corpus-fetch``) that contain one are dropped; the
+  step's metrics count them (``contaminated``).
+- :func:`probe_steps` and :func:`health_step`: the steps the executor appends to every iteration:
+  with ``health.probe``, the probe questions are solved and voted on like generated ones and the
+  majority is graded against the reference; then ``health`` summarises the iteration
+  (:mod:`sptool.run.health`). :func:`health_warnings` compares it with the thresholds.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+from sptool.records import SptoolError, content_id
+from sptool.run.steps import Step, StepContext
+
+if TYPE_CHECKING:
+    from sptool.run.session import Session
+
+SCREENED_KINDS = ("challenge", "corpus-fetch")
+
+
+class RunStopped(SptoolError):
+    """A run stopped on purpose (curriculum collapse with ``run.stop_on_collapse``): exit code 3;
+    every finished step is saved and ``--resume`` continues."""
+
+    exit_code = 3
+
+
+def section(config: Any, name: str) -> Any:
+    """A configuration section with attribute access (a plain dict's or a dataclass)."""
+    value = config[name] if isinstance(config, dict) else getattr(config, name)
+    return SimpleNamespace(**value) if isinstance(value, dict) else value
+
+
+# ---------------------------------------------------------------- decontamination
+
+def benchmark_paths(config: Any) -> list[str]:
+    return [p.strip() for p in section(config, "decontaminate").benchmarks.split(",") if p.strip()]
+
+
+def decontamination_index(config: Any):
+    """The benchmark index of ``decontaminate.benchmarks`` (built once per process), or None."""
+    paths = benchmark_paths(config)
+    if not paths:
+        return None
+    from sptool.decontaminate import load_index
+
+    d = section(config, "decontaminate")
+    return load_index(paths, ngram=d.ngram, threshold=d.minhash_threshold or None)
+
+
+def screen(config: Any, ctx: StepContext, kind: str, records: list[dict]) -> tuple[list[dict], int]:
+    """Decontaminate a step's output when it generates questions or fetches documents; returns
+    the records and how many were contaminated (marked invalid or dropped to the rejects)."""
+    if kind not in SCREENED_KINDS:
+        return records, 0
+    index = decontamination_index(config)
+    if index is None:
+        return records, 0
+    from sptool.decontaminate import DecontaminateStage
+
+    stage = DecontaminateStage(index, mark_invalid=True)
+    stage.on_drop = lambda record, reason: ctx.rejects.append({**record, "reject_reason": reason})
+    out = list(stage.run(records))
+    return out, sum(stage.stats.dropped.values()) + sum(1 for r in out if r.get("contamination"))
+
+
+# ---------------------------------------------------------------- curriculum health
+
+def probe_problems(config: Any) -> list[dict]:
+    path = section(config, "health").probe
+    if not path:
+        return []
+    from sptool.run.session import read_labelled_problems
+
+    return read_labelled_problems(path, "the health probe (health.probe)")
+
+
+def probe_steps(session: "Session", samples: int) -> list[Step]:
+    """Solve the probe questions ``samples`` times with the solver, vote, grade the majority."""
+    problems = probe_problems(session.config)
+
+    def probe(ctx: StepContext, records: list[dict]) -> list[dict]:
+        return [{**p, "id": p.get("id") or content_id("probe", p["question"])} for p in problems]
+
+    def grade_majority(ctx: StepContext, records: list[dict]) -> list[dict]:
+        """Each voted probe question's majority answer, graded against its reference."""
+        from sptool.verify import answers_equivalent
+
+        out = []
+        for record in records:
+            majority = record.get("majority")
+            correct = majority is not None and majority != "INVALID" and \
+                answers_equivalent(str(record["answer"]), str(majority))
+            out.append({"id": record["id"], "question": record["question"], "answer": record["answer"],
+                        "majority": majority, "majority_frac": record.get("majority_frac"),
+                        "pseudo_label_correct": correct})
+            ctx.advance()
+        return out
+
+    return [Step("probe", probe, kind="probe-sample"),
+            Step("probe-solve", session.solve(samples), inputs=["probe"], kind="probe-solve"),
+            Step("probe-verify", session.verify(pseudo_label=True), inputs=["probe-solve"], kind="probe-verify"),
+            Step("probe-grade", grade_majority, inputs=["probe-verify"], kind="probe")]
+
+
+def health_step(session: "Session", steps: list[Step]) -> Step:
+    """The iteration's health, from the outputs of its ``steps`` (and earlier iterations')."""
+    kinds = {step.name: step.metrics_kind for step in steps}
+
+    def health(ctx: StepContext, records: list[dict]) -> list[dict]:
+        from sptool.run import health as H
+
+        by_kind: dict[str, list[dict]] = {}
+        for name, kind in kinds.items():
+            if name in ctx.outputs:
+                by_kind.setdefault(kind, []).extend(ctx.output(name))
+        generated = by_kind.get("challenge", [])
+        valid = [r for r in generated if r.get("valid") is not False]
+        questions = [r.get("question") for r in valid]
+        graded = [r.get("p_hat") for r in by_kind.get("verify", [])
+                  if r.get("samples") and r.get("mode") != "validity" and r.get("p_hat") is not None]
+        within, earlier = H.duplicate_shares(questions, earlier_questions(session, ctx.iteration))
+        probe = by_kind.get("probe", [])
+        report = {
+            "id": content_id("health", ctx.iteration),
+            "iteration": ctx.iteration,
+            "generated": len(generated),
+            "valid_rate": len(valid) / len(generated) if generated else None,
+            "duplicate_share_within": within,
+            "duplicate_share_earlier": earlier,
+            "graded": len(graded),
+            "difficulty": H.difficulty_histogram(graded),
+            "signal_share": H.signal_share(graded),
+            "group_signal_share": H.group_signal_share(by_kind.get("filter", [])),
+            "pseudo_label_accuracy": (sum(1 for r in probe if r["pseudo_label_correct"]) / len(probe)
+                                      if probe else None),
+        }
+        ctx.advance()
+        return [report]
+
+    return Step("health", health, kind="health")
+
+
+def earlier_questions(session: "Session", iteration: int):
+    """A :class:`~sptool.decontaminate.TextIndex` of the valid questions generated before
+    ``iteration`` (read from the run directory), or None in the first iteration."""
+    if iteration <= 1:
+        return None
+    from sptool.decontaminate import TextIndex
+    from sptool.run.run_dir import read_jsonl
+
+    index = TextIndex()
+    run_dir = session.run_dir
+    for key in run_dir.manifest.get("order", []):
+        entry = run_dir.manifest["stages"][key]
+        if entry.get("kind") != "challenge" or int(key[5:9]) >= iteration:
+            continue
+        for record in read_jsonl(run_dir.path / entry["output"]):
+            if record.get("valid") is not False and isinstance(record.get("question"), str):
+                index.add(key, str(record.get("id")), record["question"])
+    return index
+
+
+def health_warnings(config: Any, report: dict) -> list[str]:
+    from sptool.run.health import HealthThresholds, collapse_reasons
+
+    h = section(config, "health")
+    return collapse_reasons(report, HealthThresholds(
+        min_valid_rate=h.min_valid_rate, max_duplicate_share=h.max_duplicate_share,
+        min_signal_share=h.min_signal_share, min_pseudo_label_accuracy=h.min_pseudo_label_accuracy))
