@@ -104,11 +104,14 @@ class HealthConfig:
     probe_samples: int = setting(8, "solver samples per probe question (the vote)", minimum=1)
     min_valid_rate: float = setting(0.0, "warn (stop with run.stop_on_collapse) below this "
                                     "valid-question rate", minimum=0, maximum=1)
-    max_duplicate_share: float = setting(1.0, "warn (stop with run.stop_on_collapse) above this share of near-duplicate questions",
+    max_duplicate_share: float = setting(1.0, "warn (stop with run.stop_on_collapse) above this share of "
+                                         "near-duplicate questions",
                                          minimum=0, maximum=1)
-    min_signal_share: float = setting(0.0, "warn (stop with run.stop_on_collapse) below this share of groups with a learning signal",
+    min_signal_share: float = setting(0.0, "warn (stop with run.stop_on_collapse) below this share of "
+                                      "groups with a learning signal",
                                       minimum=0, maximum=1)
-    min_pseudo_label_accuracy: float = setting(0.0, "warn (stop with run.stop_on_collapse) below this pseudo-label accuracy on the probe",
+    min_pseudo_label_accuracy: float = setting(0.0, "warn (stop with run.stop_on_collapse) below this "
+                                               "pseudo-label accuracy on the probe",
                                                minimum=0, maximum=1)
 
 
