@@ -282,6 +282,27 @@ def test_format_term_needs_a_boxed_answer_even_when_an_unboxed_one_is_graded(cli
     assert groups[0]["rewards"] == approx([1.0, 0.9, 0.1, 0.0])
 
 
+def test_rlvr_solver_groups_drop_or_keep_equal_rewards(cli, tmp_path):
+    """rlvr: one solver group per problem (no variants, no synthesis group); groups whose rewards
+    are all equal are dropped unless --keep-equal-groups (then their advantages are all 0)."""
+    original = read_jsonl(FIXTURES / "verified_svs.jsonl")[0]
+    all_wrong_boxed = {**original, "id": "wrong-boxed", "p_hat": 0.0, "samples": [
+        {**sample, "answer": "41", "boxed": True, "correct": False} for sample in original["samples"]]}
+    data = tmp_path / "verified.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (original, all_wrong_boxed)))
+    groups, rejected = run_filter(cli, tmp_path, "--recipe", "rlvr", data)
+    assert [(g["role"], g["source_ids"], g["rewards"]) for g in groups] == [("solver", ["sv1"], [1.0, 0.0, 1.0, 0.0])]
+    assert groups[0]["recipe"] == "rlvr" and groups[0]["advantages"] == approx([0.5, -0.5, 0.5, -0.5])
+    assert rejected["wrong-boxed"] == "solver: Acc is 0 or 1"
+    groups, rejected = run_filter(cli, tmp_path, "--recipe", "rlvr", "--format-weight", "0.1",
+                                  "--keep-equal-groups", data)
+    rewards = {g["source_ids"][0]: (g["rewards"], g["advantages"]) for g in groups}
+    assert rewards["wrong-boxed"] == ([0.1] * 4, approx([0.0] * 4)) and not rejected
+    assert rewards["sv1"][0] == [1.0, 0.1, 1.0, 0.1]
+    result = cli(["filter", "--recipe", "svs", "--keep-equal-groups", str(data)])
+    assert result.exit_code == 2 and "keep-equal-groups" in result.stderr
+
+
 # ------------------------------------------------------------------ shell pipelines (scripted backend)
 
 def test_pipeline_wist_with_logprobs(tmp_path):

@@ -45,10 +45,10 @@ def random_policy(tmp_path_factory, tiny_model_dir) -> str:
 def scripted_args(recipe: str, run_dir: Path, policy: str, *extra: str) -> list[str]:
     args = ["run", "--recipe", recipe, "--tiny", "--run-dir", str(run_dir), "--backend", "scripted",
             "-m", policy, "--set", f'model.script="{SCRIPT}"', "--keep", "1", "-q"]
-    if recipe == "svs":
+    if recipe in ("svs", "rlvr"):
         # all 16 problems: the scripted solver answers 42, right only for "What is 12 + 30?", which
         # a 3-problem sample may miss (then no problem is in band and nothing trains)
-        args += ["--data", str(FIXTURES / "svs_train.jsonl"), "--set", "svs.problems=16"]
+        args += ["--data", str(FIXTURES / "svs_train.jsonl"), "--set", f"{recipe}.problems=16"]
     if recipe == "rquest":
         # replay adds round(n_solver · share / (1 − share)) validity groups: with the tiny run's
         # few solver groups, the paper's 10% rounds to none; 50% gives one per solver group
@@ -79,11 +79,11 @@ def checkpoint_weights(run_dir: Path) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------ recipes / config
 
-def test_recipes_list_names_all_four(cli):
+def test_recipes_list_names_all_five(cli):
     result = cli(["recipes", "list"])
     assert result.exit_code == 0
     names = [line.split("\t")[0] for line in result.stdout.splitlines()]
-    assert names == ["wist", "svs", "rzero", "rquest"]
+    assert names == ["wist", "svs", "rzero", "rquest", "rlvr"]
 
 
 def test_recipes_show_papers_defaults(cli):
@@ -202,7 +202,7 @@ def test_stage_seed_depends_on_run_seed_iteration_and_stage():
 # ------------------------------------------------------------------------------ scripted runs
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["svs", "rzero", "rquest", "wist"])
+@pytest.mark.parametrize("recipe", ["svs", "rzero", "rquest", "wist", "rlvr"])
 def test_scripted_recipe_runs_every_stage(recipe, tmp_path, random_policy):
     run_dir = tmp_path / recipe
     result = run_sptool(*scripted_args(recipe, run_dir, random_policy), env=ENV)
@@ -219,8 +219,9 @@ def test_scripted_recipe_runs_every_stage(recipe, tmp_path, random_policy):
                    "s-filter", "s-train"],
         "wist": ["tree-expand", "corpus-fetch", "challenge", "solve", "verify", "filter", "train",
                  "posterior-update"],
+        "rlvr": ["sample", "solve", "verify", "filter", "train"],
     }[recipe]
-    iterations = 2 if recipe in ("svs", "wist") else 1
+    iterations = 2 if recipe in ("svs", "wist", "rlvr") else 1
     assert stages == (expected + ["health"]) * iterations  # every iteration ends with its curriculum health
     for key, entry in manifest["stages"].items():
         path = run_dir / entry["output"]
@@ -237,6 +238,13 @@ def test_scripted_recipe_runs_every_stage(recipe, tmp_path, random_policy):
         variants = read_jsonl(run_dir / "iter-0001" / "06-verify-variants.jsonl")
         assert variants and all(v["answer"] == "42" for v in variants if v.get("valid"))
         assert (run_dir / "ckpt" / "policy").is_dir() and not (run_dir / "ckpt" / "solver").exists()
+    elif recipe == "rlvr":
+        # plain RLVR: solver groups only, each from a sampled labelled problem with 0 < Acc < 1
+        assert roles == {"solver"} and all(g["recipe"] == "rlvr" for g in groups)
+        assert all(min(g["rewards"]) < max(g["rewards"]) for g in groups)
+        sampled = [r["id"] for r in read_jsonl(run_dir / "iter-0001" / "01-sample.jsonl")]
+        assert {s for g in groups for s in g["source_ids"]} <= set(sampled) | {
+            r["id"] for r in read_jsonl(run_dir / "iter-0002" / "01-sample.jsonl")}
     elif recipe in ("rzero", "rquest"):
         assert "questioner" in roles and "solver" in roles
         # questioner and solver train separate checkpoints
@@ -485,7 +493,7 @@ def test_report_series_average_per_iteration():
 # ------------------------------------------------------------------------------ real tiny model
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["rzero", "svs", "rquest", "wist"])
+@pytest.mark.parametrize("recipe", ["rzero", "svs", "rquest", "wist", "rlvr"])
 def test_tiny_recipe_completes_with_the_real_model(recipe, tmp_path):
     if os.environ.get("SPTOOL_SKIP_TINY_RUNS"):
         pytest.skip("SPTOOL_SKIP_TINY_RUNS set")

@@ -1,4 +1,4 @@
-"""``sptool filter --recipe wist|rzero|rquest|svs``: verified records → training groups.
+"""``sptool filter --recipe wist|rzero|rquest|svs|rlvr``: verified records → training groups.
 
 The recipe-specific options are the fields of each recipe's options dataclass (``sptool.filter``);
 their help text and defaults come from there, and an option of another recipe is refused.
@@ -13,6 +13,7 @@ import typer
 
 from sptool.cli import common
 from sptool.filter.pseudo_label import PseudoLabelOptions, RQuestOptions, RZeroOptions
+from sptool.filter.rlvr import RlvrOptions
 from sptool.filter.svs import SvsOptions
 from sptool.filter.wist import WistOptions
 from sptool.settings import help_text
@@ -29,7 +30,7 @@ def _help(who: str, options: type, name: str) -> str:
 def filter_command(
     input_path: Optional[str] = common.InputArg,
     recipe: str = typer.Option(..., "--recipe", "-r", envvar="SPTOOL_RECIPE",
-                               help="wist, rzero, rquest or svs."),
+                               help="wist, rzero, rquest, svs or rlvr."),
     output: str = common.OutputOpt,
     advantage: str = typer.Option("dr_grpo", "--advantage",
                                   help="dr_grpo (A = r - mean r) or grpo ((r - mean) / (std + eps))."),
@@ -51,9 +52,9 @@ def filter_command(
         None, "--solver-band", help=_help("rzero/rquest", PseudoLabelOptions, "solver_band")),
     format_weight: Optional[float] = typer.Option(
         None, "--format-weight",
-        help="rzero/rquest/svs: " + help_text(PseudoLabelOptions, "format_weight", default=False) +
+        help="rzero/rquest/svs/rlvr: " + help_text(PseudoLabelOptions, "format_weight", default=False) +
              f"; default {PseudoLabelOptions.format_weight} for rzero/rquest, {SvsOptions.format_weight} "
-             "for svs (the paper's binary reward; w > 0 keeps groups whose rewards differ)."),
+             "for svs and rlvr (binary correctness; w > 0 keeps groups whose rewards differ)."),
     replay: Optional[str] = typer.Option(None, "--replay",
                                          help="rquest: solved+verified validity set to replay as "
                                               "validity groups."),
@@ -66,6 +67,8 @@ def filter_command(
         None, "--synthesis-band", help=_help("svs", SvsOptions, "synthesis_band")),
     negative_synthesis: bool = typer.Option(
         False, "--negative-synthesis-reward", help=_help("svs", SvsOptions, "negative_synthesis")),
+    keep_equal_groups: bool = typer.Option(
+        False, "--keep-equal-groups", help=_help("rlvr", RlvrOptions, "keep_equal_groups")),
     quiet: bool = common.QuietOpt,
     skip_invalid: bool = common.SkipInvalidOpt,
     rejects: Optional[str] = common.RejectsOpt,
@@ -87,7 +90,7 @@ def filter_command(
              "solver_band": parse_band(solver_band, "--solver-band") if solver_band else None,
              "format_weight": format_weight, "replay_share": replay_share,
              "synthesis_band": parse_band(synthesis_band, "--synthesis-band") if synthesis_band else None,
-             "negative_synthesis": negative_synthesis or None}
+             "negative_synthesis": negative_synthesis or None, "keep_equal_groups": keep_equal_groups or None}
     given = {name: value for name, value in given.items() if value is not None}
     common_options = dict(advantage=advantage.replace("-", "_"), seed=seed)
     if validity_init:

@@ -9,6 +9,8 @@ import typer
 
 from sptool.cli import common
 
+DATA_RECIPES = ("svs", "rlvr")  # recipes that train on a labelled problem set (--data)
+
 
 def register(app: typer.Typer) -> None:
     app.command("run")(run)
@@ -87,7 +89,7 @@ class RunProgress:
 
 def run(
     recipe: str = typer.Option(..., "--recipe", "-r", envvar="SPTOOL_RECIPE",
-                               help="wist, svs, rzero or rquest (`sptool recipes list`)."),
+                               help="wist, svs, rzero, rquest or rlvr (`sptool recipes list`)."),
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory (default runs/<recipe>-<timestamp>)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its last finished stage."),
     tiny: bool = typer.Option(False, "--tiny", help="The recipe's tiny preset: minutes on a laptop CPU."),
@@ -95,7 +97,7 @@ def run(
     sets: List[str] = typer.Option([], "--set", help="Override one key, e.g. --set wist.paths=4 "
                                    "(repeatable; a bare key means the recipe's own or a shared one)."),
     iterations: Optional[int] = typer.Option(None, "--iterations", "-n", help="Shortcut for --set run.iterations=N."),
-    data: Optional[str] = typer.Option(None, "--data", help="svs: the labelled problem set (JSONL question, answer)."),
+    data: Optional[str] = typer.Option(None, "--data", help="svs, rlvr: the labelled problem set (JSONL question, answer)."),
     model: Optional[str] = typer.Option(None, "-m", "--model", help="Starting policy (shortcut for --set model.policy=M)."),
     backend: Optional[str] = typer.Option(None, "--backend", help="Generation backend (model.backend): hf, scripted, vllm, openai."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Run seed (run.seed)."),
@@ -121,7 +123,7 @@ def run(
     from sptool.run.driver import RunDriver
     from sptool.records import UsageError
 
-    shortcuts = [(iterations, "run.iterations"), (data, "svs.data"), (model, "model.policy"),
+    shortcuts = [(iterations, "run.iterations"), (data, f"{recipe}.data"), (model, "model.policy"),
                  (backend, "model.backend"), (seed, "run.seed"), (keep, "run.keep"),
                  (",".join(eval_files) or None, "eval.benchmarks"), (eval_every, "eval.every"),
                  (probe, "health.probe")]
@@ -129,8 +131,8 @@ def run(
     for value, key in shortcuts:
         if value is None:
             continue
-        if key == "svs.data" and recipe != "svs":
-            raise UsageError("--data belongs to --recipe svs")
+        if key == f"{recipe}.data" and recipe not in DATA_RECIPES:
+            raise UsageError(f"--data belongs to --recipe {' or '.join(DATA_RECIPES)}")
         extra.append(f"{key}={value}" if not isinstance(value, str) else f'{key}="{value}"')
     config = load_config(recipe, tiny=tiny, config_file=config_file, sets=[*extra, *sets])
     if run_dir is None:

@@ -26,7 +26,8 @@ from sptool.registry import Registry
 
 # name -> "module:class" of its plan (loaded on use); each module reads like its paper's algorithm
 _PLANS = {"wist": "sptool.recipes.wist:Wist", "svs": "sptool.recipes.svs:Svs",
-          "rzero": "sptool.recipes.rzero:RZero", "rquest": "sptool.recipes.rzero:RQuest"}
+          "rzero": "sptool.recipes.rzero:RZero", "rquest": "sptool.recipes.rzero:RQuest",
+          "rlvr": "sptool.recipes.rlvr:Rlvr"}
 RECIPES: Registry = Registry("recipe", _PLANS)
 RECIPE_NAMES = tuple(_PLANS)  # in the order `recipes list` shows them
 
@@ -43,6 +44,7 @@ def sections_for(recipe: str) -> dict[str, type]:
 PROMPT_ROLES: dict[str, tuple[str, ...]] = {
     "wist": ("solve", "challenger", "tree"),
     "svs": ("solve", "synthesis"),
+    "rlvr": ("solve",),
     "rzero": ("solve", "questioner"),
     "rquest": ("solve", "validity", "questioner", "novelty"),
 }

@@ -76,6 +76,8 @@ class TrainSection:
 class VerifyConfig:
     workers: int = setting(2, "grading processes", minimum=1)
     deadline_s: float = setting(30.0, "seconds before a stuck grading is abandoned", above=0)
+    require_boxed: bool = setting(False, "grade only an answer inside \\boxed{} (else math-verify's "
+                                  "extraction too)")
 
 
 @dataclass

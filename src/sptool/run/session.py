@@ -167,7 +167,8 @@ class Session:
 
         if self._verifier is None:
             v = self.settings.verify
-            self._verifier = VerifyStage(workers=v.workers, deadline_s=v.deadline_s)
+            self._verifier = VerifyStage(workers=v.workers, deadline_s=v.deadline_s,
+                                         require_boxed=v.require_boxed)
         self._verifier.pseudo_label = pseudo_label
         return self._verifier
 

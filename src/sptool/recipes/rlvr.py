@@ -1,0 +1,53 @@
+"""Plain RLVR on a labelled set: the baseline every one of the papers compares against.
+
+Per iteration: sample ``problems`` problems from the labelled set (seeded passes over it, as
+SvS does); solve each ``samples`` times; grade against the reference answer; reward
+``(1 − w)·correct + w·format``; drop the groups whose rewards are all equal (or keep them:
+``keep_equal_groups``); one policy update. It is SvS (:mod:`sptool.recipes.svs`) with variational
+problem synthesis off: SvS §4 reports its gains against exactly this loop ("standard RLVR").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sptool.filter.rlvr import RlvrOptions
+from sptool.recipes.svs import Svs
+from sptool.records import UsageError
+from sptool.run.steps import Step
+from sptool.settings import setting
+
+
+@dataclass
+class RlvrConfig(RlvrOptions):
+    """``[rlvr]``: the filter's reward and group settings (:class:`RlvrOptions`) and the loop's
+    sampling, with SvS's defaults (§4) where they apply."""
+
+    data: str = setting("", "labelled problems (JSONL question, answer); --data FILE")
+    problems: int = setting(256, "problems sampled per iteration", "SvS §4", minimum=1)
+    samples: int = setting(8, "solutions per problem G", "SvS §4", minimum=1)
+
+
+class Rlvr(Svs):
+    name = "rlvr"
+    Config = RlvrConfig
+
+    def plan(self, iteration: int) -> list[Step]:
+        s, c = self.session, self.c
+        return [
+            Step("sample", self.sample),
+            Step("solve", s.solve(c.samples), inputs=["sample"]),
+            Step("verify", s.verify(pseudo_label=False), inputs=["solve"]),
+            Step("filter", self.filter(), inputs=["verify"]),
+            Step("train", s.train(s.roles()), inputs=["filter"]),
+        ]
+
+    def data(self) -> list[dict]:
+        """The labelled training set (``--data``), read once."""
+        if self._data is None:
+            from sptool.run.session import read_labelled_problems
+
+            if not self.c.data:
+                raise UsageError("rlvr needs a labelled problem set: --data FILE (JSONL with question, answer)")
+            self._data = read_labelled_problems(self.c.data, "RLVR")
+        return self._data
