@@ -1,0 +1,603 @@
+"""Learning parity: a bare Dr. GRPO loop, TRL's ``GRPOTrainer`` and ``sptool run --recipe rlvr``.
+
+Three arms train the same model on the same labelled set (``fixtures/addition_train.jsonl``) with
+the same prompt (a template file, rendered by the tokenizer's chat template), reward (1 for the
+right ``\\boxed{}`` answer, 0.1 for a box with a wrong answer, 0 without a box), sampling
+(temperature 1, top-p 1, no top-k), token budget, learning rate (constant, AdamW, clip 1.0),
+batch (problems × samples per optimizer step, one step per batch) and seed:
+
+- **bare**: the ~100-line loop below (``model.generate``, reward, one Dr. GRPO step: advantage
+  ``r − mean(group)``, loss ``Σ_i A_i Σ_t −log π(y_t) / (N · max_tokens)``); nothing from sptool
+  but the data files (and the path of the converted tiny model);
+- **trl**: ``trl.GRPOTrainer`` (``loss_type="dr_grpo"``, ``scale_rewards="none"``, ``beta=0``,
+  transformers generation, constant learning rate; its other defaults, e.g. gradient
+  checkpointing, stay);
+- **sptool**: ``sptool run --recipe rlvr`` in a subprocess, with the same values as ``--set``.
+
+Each arm prints held-out greedy accuracy (``fixtures/bench/addition_heldout.jsonl``, strict: the
+boxed answer must be right) before training, every ``--eval-every`` steps and after the last,
+and seconds per step split into generation, grading, training and the rest (held-out
+evaluation excluded). Results: ``OUT/<arm>.json`` per arm, ``OUT/parity.json`` and
+``OUT/parity.txt`` (the table) for every arm found in ``OUT``.
+
+    python benchmarks/learning_parity.py --device cpu --steps 2            # smoke test (tiny batch)
+    python benchmarks/learning_parity.py --device cuda --steps 30 --arms bare,trl --out DIR
+    python benchmarks/learning_parity.py --report DIR                      # the table of DIR
+
+On CPU the defaults shrink to a smoke test (2 problems × 2 samples, 8 new tokens, 4 held-out
+problems: a CPU step of the tiny model costs seconds per sequence); on CUDA they are the issue's settings (64 × 8, 64 new tokens, all 64 held-out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parent.parent
+ARMS = ("bare", "trl", "sptool")
+PARTS = ("generation", "grading", "training", "other")
+
+
+@dataclass
+class Settings:
+    device: str
+    steps: int
+    problems: int
+    samples: int
+    max_tokens: int
+    lr: float
+    seed: int
+    eval_every: int
+    micro_batch: int
+    model: str = "tiny"
+    train: str = str(ROOT / "fixtures/addition_train.jsonl")
+    heldout: str = str(ROOT / "fixtures/bench/addition_heldout.jsonl")
+    heldout_limit: int = 0
+    prompt: str = str(ROOT / "benchmarks/parity_prompt.txt")
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def eval_steps(self) -> list[int]:
+        steps = {0, self.steps} | set(range(self.eval_every, self.steps + 1, self.eval_every or self.steps + 1))
+        return sorted(steps)
+
+
+# ---------------------------------------------------------------------------- shared pieces
+
+def read_jsonl(path: str, limit: int = 0) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        records = [json.loads(line) for line in handle if line.strip()]
+    return records[:limit] if limit else records
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def same_answer(given: str, gold: str) -> bool:
+    def norm(value: str) -> str:
+        return re.sub(r"[\s$,]|\\!|\\,", "", value).rstrip(".")
+    a, b = norm(given), norm(str(gold))
+    try:
+        return math.isclose(float(a), float(b))
+    except ValueError:
+        return a == b
+
+
+def reward(text: str, gold: str) -> float:
+    """1 for the right boxed answer, 0.1 for a wrong one in a box, 0 without a box."""
+    boxed = last_boxed(text)
+    if boxed is None:
+        return 0.0
+    return 1.0 if same_answer(boxed, gold) else 0.1
+
+
+def fill(template: str, question: str) -> str:
+    return template.replace("{question}", question)
+
+
+def model_path(model: str) -> str:
+    """A directory ``from_pretrained`` loads: ``tiny`` is sptool's converted copy of the GGUF."""
+    if model == "tiny":
+        sys.path.insert(0, str(ROOT / "src"))
+        from sptool.models.resolve import resolve_model
+
+        return resolve_model("tiny")
+    return model
+
+
+def load_model(settings: Settings):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_path(settings.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(settings.device)
+    return model, tokenizer
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids] if ids is not None else []
+    return ids + [tokenizer.eos_token_id] if tokenizer.eos_token_id not in ids else ids
+
+
+def sync(settings: Settings) -> None:
+    if settings.cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def greedy_accuracy(model, tokenizer, problems: list[dict], template: str, settings: Settings) -> float:
+    """Held-out greedy accuracy: the last boxed answer of a greedy completion is the gold one."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": fill(template, p["question"])}],
+                                           tokenize=False, add_generation_prompt=True) for p in problems]
+    right = 0
+    for start in range(0, len(texts), 256):
+        encoded = tokenizer(texts[start:start + 256], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(settings.device)
+        with torch.inference_mode():
+            out = model.generate(**encoded, do_sample=False, max_new_tokens=settings.max_tokens,
+                                 pad_token_id=tokenizer.pad_token_id, use_cache=True,
+                                 temperature=None, top_p=None, top_k=None)
+        completions = tokenizer.batch_decode(out[:, encoded["input_ids"].shape[1]:], skip_special_tokens=True)
+        right += sum(reward(c, p["answer"]) == 1.0 for c, p in zip(completions, problems[start:start + 256]))
+    model.train(was_training)
+    return right / len(problems)
+
+
+class Recorder:
+    """Per-step timings and held-out accuracies of one arm; printed as they come, saved as JSON."""
+
+    def __init__(self, arm: str, settings: Settings):
+        self.arm, self.settings = arm, settings
+        self.steps: list[dict] = []
+        self.evals: list[dict] = []
+        self.notes: dict = {}
+        self.began = time.time()
+
+    def step(self, step: int, seconds: dict, **extra) -> None:
+        parts = {part: float(seconds.get(part, 0.0)) for part in PARTS[:3]}
+        total = float(seconds["total"])
+        parts["other"] = max(0.0, total - sum(parts.values()))
+        self.steps.append({"step": step, "total": total, **parts, **extra})
+        shown = " ".join(f"{part[:5]} {parts[part]:.2f}" for part in PARTS)
+        reward_text = f" reward {extra['mean_reward']:.3f}" if extra.get("mean_reward") is not None else ""
+        print(f"[{self.arm}] step {step}/{self.settings.steps}: {total:.2f} s ({shown}){reward_text}",
+              file=sys.stderr, flush=True)
+
+    def evaluation(self, step: int, accuracy: float, seconds: float) -> None:
+        self.evals.append({"step": step, "greedy_accuracy": accuracy, "seconds": seconds})
+        print(f"[{self.arm}] held-out greedy accuracy after {step} steps: {accuracy:.3f} ({seconds:.1f} s)",
+              file=sys.stderr, flush=True)
+
+    def save(self, out: Path) -> Path:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{self.arm}.json"
+        data = {"arm": self.arm, "settings": asdict(self.settings), "steps": self.steps, "evals": self.evals,
+                "notes": self.notes, "wall_s": time.time() - self.began}
+        path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        return path
+
+
+class Clock:
+    """Seconds spent per part within one step (CUDA-synchronised at each boundary)."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.seconds: dict[str, float] = {}
+
+    def part(self, name: str):
+        clock = self
+
+        class Part:
+            def __enter__(self):
+                sync(clock.settings)
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc):
+                sync(clock.settings)
+                clock.seconds[name] = clock.seconds.get(name, 0.0) + time.perf_counter() - self.start
+
+        return Part()
+
+
+# ---------------------------------------------------------------------------- (a) bare loop
+
+def run_bare(settings: Settings, recorder: Recorder) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(settings.seed)
+    model, tokenizer = load_model(settings)
+    template = Path(settings.prompt).read_text(encoding="utf-8")
+    train, heldout = read_jsonl(settings.train), read_jsonl(settings.heldout, settings.heldout_limit)
+    stops = torch.tensor(eos_ids(model, tokenizer), device=settings.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if settings.cuda else torch.autocast("cpu", enabled=False)
+    order: list[int] = []
+
+    def evaluate(step: int) -> None:
+        begin = time.perf_counter()
+        accuracy = greedy_accuracy(model, tokenizer, heldout, template, settings)
+        recorder.evaluation(step, accuracy, time.perf_counter() - begin)
+
+    evaluate(0)
+    for step in range(1, settings.steps + 1):
+        clock = Clock(settings)
+        begin = time.perf_counter()
+        while len(order) < settings.problems:  # seeded epochs over the training set
+            epoch = list(range(len(train)))
+            random.Random(settings.seed * 1000 + step).shuffle(epoch)
+            order.extend(epoch)
+        batch, order = [train[i] for i in order[:settings.problems]], order[settings.problems:]
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": fill(template, p["question"])}],
+                                               tokenize=False, add_generation_prompt=True) for p in batch]
+        encoded = tokenizer([t for t in texts for _ in range(settings.samples)], return_tensors="pt",
+                            padding=True, add_special_tokens=False).to(settings.device)
+        with clock.part("generation"):
+            model.eval()
+            with torch.no_grad():
+                sequences = model.generate(**encoded, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                           max_new_tokens=settings.max_tokens, pad_token_id=tokenizer.pad_token_id)
+            prompt_len = encoded["input_ids"].shape[1]
+            completion = sequences[:, prompt_len:]
+            is_stop = torch.isin(completion, stops)
+            first = torch.where(is_stop.any(1), is_stop.int().argmax(1), completion.shape[1])
+            mask = (torch.arange(completion.shape[1], device=completion.device)[None] <= first[:, None]).long()
+            texts_out = tokenizer.batch_decode(completion.masked_fill(mask == 0, tokenizer.pad_token_id),
+                                               skip_special_tokens=True)
+        with clock.part("grading"):
+            rewards = torch.tensor([reward(text, batch[i // settings.samples]["answer"])
+                                    for i, text in enumerate(texts_out)], device=settings.device)
+            grouped = rewards.view(settings.problems, settings.samples)
+            advantages = (grouped - grouped.mean(1, keepdim=True)).view(-1)  # Dr. GRPO: centred, unscaled
+        with clock.part("training"):
+            model.train()
+            attention = torch.cat([encoded["attention_mask"], mask], dim=1)
+            positions = (attention.cumsum(1) - 1).clamp(min=0)
+            n = sequences.shape[0]
+            for start in range(0, n, settings.micro_batch):
+                rows = slice(start, start + settings.micro_batch)
+                with autocast:
+                    logits = model(input_ids=sequences[rows], attention_mask=attention[rows],
+                                   position_ids=positions[rows],
+                                   logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+                nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                      completion[rows].reshape(-1), reduction="none").view(logits.shape[:2])
+                loss = (advantages[rows, None] * nll * mask[rows]).sum() / (n * settings.max_tokens)
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        sync(settings)
+        clock.seconds["total"] = time.perf_counter() - begin
+        recorder.step(step, clock.seconds, mean_reward=rewards.mean().item(),
+                      train_accuracy=(rewards == 1.0).float().mean().item(),
+                      truncated_rate=1.0 - is_stop.any(1).float().mean().item(),
+                      groups_with_signal=int((grouped.max(1).values > grouped.min(1).values).sum().item()))
+        if step in settings.eval_steps():
+            evaluate(step)
+
+
+# ---------------------------------------------------------------------------- (b) TRL
+
+def run_trl(settings: Settings, recorder: Recorder) -> None:
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(settings.seed)
+    model, tokenizer = load_model(settings)
+    template = Path(settings.prompt).read_text(encoding="utf-8")
+    train, heldout = read_jsonl(settings.train), read_jsonl(settings.heldout, settings.heldout_limit)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": fill(template, p["question"])}],
+                                  "answer": str(p["answer"])} for p in train])
+    completions_per_step = settings.problems * settings.samples
+    micro = min(settings.micro_batch, completions_per_step)
+    workdir = tempfile.mkdtemp(prefix="parity-trl-")
+    config = GRPOConfig(
+        output_dir=workdir, loss_type="dr_grpo", scale_rewards="none", beta=0.0,
+        learning_rate=settings.lr, lr_scheduler_type="constant", max_steps=settings.steps,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=completions_per_step // micro,
+        num_generations=settings.samples, max_completion_length=settings.max_tokens,
+        temperature=1.0, top_p=1.0, top_k=0, seed=settings.seed, report_to="none", save_strategy="no",
+        logging_steps=1, disable_tqdm=True, use_cpu=not settings.cuda, bf16=settings.cuda,
+    )
+    clock = Clock(settings)
+    step_rewards: list[float] = []
+
+    def reward_fn(completions, answer, **_):
+        with clock.part("grading"):
+            values = [reward(c[0]["content"] if isinstance(c, list) else c, gold)
+                      for c, gold in zip(completions, answer)]
+        step_rewards.extend(values)
+        return values
+
+    reward_fn.__name__ = "parity_reward"
+
+    class Timing(TrainerCallback):
+        def __init__(self):
+            self.mark = None
+
+        def on_train_begin(self, args, state, control, model=None, **_):
+            self.evaluate(0, model)
+            self.mark = time.perf_counter()
+
+        def on_pre_optimizer_step(self, args, state, control, **_):
+            sync(settings)
+            self.optimizer_start = time.perf_counter()
+
+        def on_optimizer_step(self, args, state, control, **_):
+            sync(settings)
+            clock.seconds["optimizer"] = clock.seconds.get("optimizer", 0.0) + time.perf_counter() - self.optimizer_start
+
+        def on_step_end(self, args, state, control, model=None, **_):
+            sync(settings)
+            s = clock.seconds
+            total = time.perf_counter() - self.mark
+            training = s.get("train_step", 0.0) - s.get("prepare", 0.0) + s.get("clip", 0.0) + s.get("optimizer", 0.0)
+            recorder.step(state.global_step, {"total": total, "generation": s.get("generation", 0.0),
+                                              "grading": s.get("grading", 0.0), "training": training},
+                          mean_reward=sum(step_rewards) / max(1, len(step_rewards)),
+                          train_accuracy=sum(r == 1.0 for r in step_rewards) / max(1, len(step_rewards)))
+            clock.seconds.clear()
+            step_rewards.clear()
+            if state.global_step in settings.eval_steps():
+                self.evaluate(state.global_step, model)
+            self.mark = time.perf_counter()
+
+        def evaluate(self, step, model):
+            begin = time.perf_counter()
+            accuracy = greedy_accuracy(model, tokenizer, heldout, template, settings)
+            recorder.evaluation(step, accuracy, time.perf_counter() - begin)
+
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward_fn], args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[Timing()])
+
+    def timed(name: str, part: str) -> None:
+        original = getattr(trainer, name)
+
+        def wrapper(*args, **kwargs):
+            with clock.part(part):
+                return original(*args, **kwargs)
+
+        setattr(trainer, name, wrapper)
+
+    trainer.remove_callback(PrinterCallback)  # its per-step log dicts; the recorder prints the steps
+    timed("_generate", "generation")
+    timed("_prepare_inputs", "prepare")
+    timed("training_step", "train_step")
+    timed("_clip_grad_norm", "clip")
+    recorder.notes.update(trl=trl.__version__, gradient_checkpointing=config.gradient_checkpointing,
+                          per_device_train_batch_size=micro,
+                          gradient_accumulation_steps=config.gradient_accumulation_steps)
+    trainer.train()
+
+
+# ---------------------------------------------------------------------------- (c) sptool run
+
+def run_sptool(settings: Settings, recorder: Recorder, workdir: Path) -> None:
+    """``sptool run --recipe rlvr`` in a subprocess; per-step seconds from its stage timings and the
+    moments its iterations start (stderr), accuracies from its held-out evaluations."""
+    heldout = workdir / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps(p) + "\n" for p in read_jsonl(settings.heldout, settings.heldout_limit)),
+                       encoding="utf-8")
+    run_dir = workdir / "run"
+    sets = {
+        "rlvr.data": settings.train, "rlvr.problems": settings.problems, "rlvr.samples": settings.samples,
+        "rlvr.format_weight": 0.1, "rlvr.keep_equal_groups": True,
+        "generation.max_tokens": settings.max_tokens, "generation.temperature": 1.0, "generation.top_p": 1.0,
+        "train.loss": "dr_grpo", "train.beta": 0.0, "train.learning_rate": settings.lr,
+        "train.max_grad_norm": 1.0, "verify.workers": 8 if settings.cuda else 1,
+        "train.max_tokens_per_micro_batch": settings.micro_batch * (settings.max_tokens + 64),
+        "model.policy": settings.model, "model.device": settings.device,
+        "model.gen_batch_size": settings.problems * settings.samples,
+        "verify.require_boxed": True, "prompts.solve": settings.prompt,
+        "eval.benchmarks": str(heldout), "eval.every": settings.eval_every, "eval.samples": 0,
+        "eval.max_tokens": settings.max_tokens,
+    }
+    command = [sys.executable, "-m", "sptool.cli.main", "run", "--recipe", "rlvr", "--run-dir", str(run_dir),
+               "-n", str(settings.steps), "--seed", str(settings.seed)]
+    for key, value in sets.items():
+        command += ["--set", f"{key}={json.dumps(value) if isinstance(value, (str, bool)) else value}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+               PYTHONUNBUFFERED="1")
+    recorder.notes["command"] = " ".join(command)
+    starts: dict[int, float] = {}
+    began = time.perf_counter()
+    with subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+                          cwd=ROOT) as process:
+        tail: list[str] = []
+        for line in process.stderr:
+            tail = (tail + [line.rstrip()])[-40:]
+            match = re.match(r"\s*iteration (\d+)/\d+", line)
+            if match:
+                starts[int(match.group(1))] = time.perf_counter()
+            if re.search(r"(iteration \d+/|records in|held-out)", line):
+                print(f"[sptool] {line.rstrip()}", file=sys.stderr, flush=True)
+    ended = time.perf_counter()
+    if process.returncode != 0:
+        raise RuntimeError(f"sptool run failed (exit {process.returncode}):\n" + "\n".join(tail))
+    recorder.notes["process_wall_s"] = ended - began
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    kinds = {"solve": "generation", "verify": "grading", "train": "training"}
+    for step in range(1, settings.steps + 1):
+        mine = [line for line in lines if line["iteration"] == step]
+        until = starts.get(step + 1, ended)
+        eval_s = sum(line["wall_s"] for line in mine if line["kind"] == "eval")
+        seconds = {"total": until - starts[step] - eval_s}
+        for line in mine:
+            part = kinds.get(line["kind"])
+            if part:
+                seconds[part] = seconds.get(part, 0.0) + line["wall_s"]
+        filtered = next((line for line in mine if line["kind"] == "filter"), {})
+        means = [v for v in (filtered.get("mean_reward") or {}).values() if v is not None]
+        verify = next((line for line in mine if line["kind"] == "verify"), {})
+        solve = next((line for line in mine if line["kind"] == "solve"), {})
+        recorder.step(step, seconds, mean_reward=means[0] if means else None,
+                      train_accuracy=verify.get("accuracy"), truncated_rate=solve.get("truncated_rate"))
+    for line in lines:
+        if line["kind"] == "eval":
+            values = next(iter(line["benchmarks"].values()))
+            recorder.evaluation(line["after_iteration"], values["greedy"], line["wall_s"])
+    recorder.notes["stage_wall_s"] = [{k: line[k] for k in ("iteration", "stage", "wall_s")} for line in lines]
+
+
+# ---------------------------------------------------------------------------- report
+
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def report(out: Path) -> str:
+    """The table of every ``<arm>.json`` in ``out``; writes ``parity.json`` and ``parity.txt``."""
+    results = [json.loads((out / f"{arm}.json").read_text()) for arm in ARMS if (out / f"{arm}.json").is_file()]
+    if not results:
+        raise SystemExit(f"{out}: no arm results (bare.json, trl.json, sptool.json)")
+    eval_steps = sorted({e["step"] for r in results for e in r["evals"]})
+    first = results[0]["settings"]
+    lines = [f"learning parity: {first['problems']} problems x {first['samples']} samples, "
+             f"{first['max_tokens']} new tokens, lr {first['lr']}, device {first['device']}, seed {first['seed']}",
+             "", "held-out greedy accuracy after N steps",
+             f"{'arm':<8}" + "".join(f"{s:>8}" for s in eval_steps)]
+    summary: dict = {"settings": first, "arms": {}}
+    for r in results:
+        by_step = {e["step"]: e["greedy_accuracy"] for e in r["evals"]}
+        lines.append(f"{r['arm']:<8}" + "".join(f"{by_step[s]:>8.3f}" if s in by_step else f"{'-':>8}"
+                                               for s in eval_steps))
+    lines += ["", "seconds per step (mean over steps 2..N; step 1 includes warm-up), held-out evaluation excluded",
+              f"{'arm':<8}{'step 1':>8}{'total':>8}" + "".join(f"{p:>12}" for p in PARTS) + f"{'eval/call':>11}"]
+    for r in results:
+        later = [s for s in r["steps"] if s["step"] >= 2] or r["steps"]
+        row = {key: mean([s[key] for s in later]) for key in ("total", *PARTS)}
+        step1 = r["steps"][0]["total"] if r["steps"] else float("nan")
+        eval_s = mean([e["seconds"] for e in r["evals"]]) or 0.0
+        lines.append(f"{r['arm']:<8}{step1:>8.2f}{row['total']:>8.2f}" +
+                     "".join(f"{row[p]:>12.2f}" for p in PARTS) + f"{eval_s:>11.1f}")
+        summary["arms"][r["arm"]] = {"accuracy": {str(e["step"]): e["greedy_accuracy"] for e in r["evals"]},
+                                     "seconds_per_step": row, "first_step_s": step1, "eval_s": eval_s,
+                                     "steps": len(r["steps"]), "notes": r.get("notes", {})}
+    text = "\n".join(lines) + "\n"
+    (out / "parity.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    (out / "parity.txt").write_text(text, encoding="utf-8")
+    return text
+
+
+# ---------------------------------------------------------------------------- main
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated: bare, trl, sptool")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--problems", type=int, default=None, help="problems per step (cpu 2, cuda 64)")
+    parser.add_argument("--samples", type=int, default=None, help="samples per problem (cpu 2, cuda 8)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="new tokens (cpu 8, cuda 64)")
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--heldout-limit", type=int, default=None, help="first N held-out problems (cpu 4, cuda all)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (cuda 128)")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--prompt", default=str(ROOT / "benchmarks/parity_prompt.txt"),
+                        help="solver prompt template file ({question})")
+    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/parity-DEVICE)")
+    parser.add_argument("--report", default=None, metavar="DIR", help="only print the table of DIR")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = device.startswith("cuda")
+    pick = lambda value, gpu, cpu: value if value is not None else (gpu if cuda else cpu)  # noqa: E731
+    problems, samples = pick(args.problems, 64, 2), pick(args.samples, 8, 2)
+    return Settings(device=device, steps=args.steps, problems=problems, samples=samples,
+                    max_tokens=pick(args.max_tokens, 64, 8), lr=args.lr, seed=args.seed,
+                    eval_every=args.eval_every, micro_batch=pick(args.micro_batch, 128, problems * samples),
+                    model=args.model, heldout_limit=pick(args.heldout_limit, 0, 4), prompt=args.prompt)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.report:
+        print(report(Path(args.report)), end="")
+        return 0
+    settings = settings_from(args)
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"parity-{settings.device.split(':')[0]}")
+    if args.worker:  # one arm in this process
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        recorder = Recorder(args.worker, settings)
+        if args.worker == "bare":
+            run_bare(settings, recorder)
+        elif args.worker == "trl":
+            run_trl(settings, recorder)
+        else:
+            with tempfile.TemporaryDirectory(prefix="parity-sptool-") as workdir:
+                run_sptool(settings, recorder, Path(workdir))
+        recorder.save(out)
+        return 0
+    arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
+    unknown = [arm for arm in arms if arm not in ARMS]
+    if unknown:
+        raise SystemExit(f"--arms: unknown arm {unknown[0]!r}; choose from {', '.join(ARMS)}")
+    failed = []
+    for arm in arms:  # each arm in its own process: same start, no state shared between arms
+        print(f"=== {arm}", file=sys.stderr, flush=True)
+        command = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--worker", arm,
+                   "--device", settings.device, "--out", str(out)]
+        if subprocess.call(command) != 0:
+            failed.append(arm)
+    print(report(out), end="")
+    if failed:
+        print(f"failed arms: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
