@@ -100,6 +100,8 @@ def run(
     data: Optional[str] = typer.Option(None, "--data", help="svs, rlvr: the labelled problem set (JSONL question, answer)."),
     model: Optional[str] = typer.Option(None, "-m", "--model", help="Starting policy (shortcut for --set model.policy=M)."),
     backend: Optional[str] = typer.Option(None, "--backend", help="Generation backend (model.backend): hf, scripted, vllm, openai."),
+    base_url: Optional[str] = typer.Option(None, "--base-url", help="openai backend: server URL(s), comma-separated "
+                                           "(model.base_url; `sptool serve` starts one)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Run seed (run.seed)."),
     keep: Optional[int] = typer.Option(None, "--keep", help="Checkpoints kept per role (run.keep; 0 = all)."),
     eval_files: List[str] = typer.Option([], "--eval", help="Held-out benchmark JSONL (question, answer), "
@@ -124,7 +126,8 @@ def run(
     from sptool.records import UsageError
 
     shortcuts = [(iterations, "run.iterations"), (data, f"{recipe}.data"), (model, "model.policy"),
-                 (backend, "model.backend"), (seed, "run.seed"), (keep, "run.keep"),
+                 (backend, "model.backend"), (base_url, "model.base_url"),
+                 (seed, "run.seed"), (keep, "run.keep"),
                  (",".join(eval_files) or None, "eval.benchmarks"), (eval_every, "eval.every"),
                  (probe, "health.probe")]
     extra = []
@@ -139,9 +142,14 @@ def run(
         if resume:
             raise UsageError("--resume needs --run-dir DIR")
         run_dir = f"runs/{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+    import os
+
     from sptool.run.trackers import TrackerLog, parse_log_with
 
-    trackers = TrackerLog(parse_log_with(log_with), run_dir, config)
+    rank0 = os.environ.get("RANK", "0") in ("", "0")
+    if not rank0:
+        quiet = True  # ranks > 0 of `accelerate launch`/`torchrun`: rank 0 reports and tracks
+    trackers = TrackerLog(parse_log_with(log_with) if rank0 else [], run_dir, config)
     progress = RunProgress(quiet)
     log = None if quiet else (lambda message: common.err_console.print(f"  {message}", markup=False,
                                                                        style="dim", soft_wrap=True))

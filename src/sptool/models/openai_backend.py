@@ -339,7 +339,9 @@ class OpenAIBackend:
         what a restarted server lacks). Any failure is one :class:`RuntimeFailure` line naming the
         server and how many were updated; generation refuses to run until an update succeeds.
         """
-        absolute = os.path.realpath(path)
+        from sptool.models.resolve import resolve_model
+
+        absolute = os.path.realpath(path if os.path.isdir(path) else resolve_model(path, log=self.log))
         if not os.path.isdir(absolute):
             raise RuntimeFailure(f"cannot update the servers' weights: {path} is not a checkpoint directory")
         adapter_base = _adapter_base(absolute)

@@ -67,6 +67,9 @@ class RunDriver:
         return steps
 
     def run(self) -> dict:
+        if not self.session.is_main:  # ranks > 0 of several processes: train and generate for rank 0
+            self.session.serve_rank()
+            return {"run_dir": str(self.run_dir.path), "rank": self.session.dist.rank}
         self.session.eval_sets()  # a bad benchmark file fails here, before the run directory or a model
         watch.probe_problems(self.config)
         watch.decontamination_index(self.config)

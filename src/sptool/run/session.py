@@ -3,7 +3,13 @@
 - :class:`Policy`: one trained role (``policy``, or ``questioner``/``solver``): its trainer and
   its generation backend. With the ``hf`` backend the generator *shares the trainer's weights*
   (:meth:`HFBackend.from_model`), so every generation after a ``train`` step uses the freshly
-  trained weights without a reload; other backends reload from the newest checkpoint.
+  trained weights without a reload. The ``vllm`` and ``openai`` backends are built once per run
+  and switched to each new checkpoint (``update_weights``: in place, or a new LoRA adapter; for
+  ``openai`` on every server); on GPU the in-process engine sleeps while the trainer updates.
+  The servers of ``openai`` are brought to the run's current weights when the run (re)starts.
+- Several processes (``accelerate launch … -m sptool run``): rank 0 runs the recipe and alone
+  writes the run directory; the other ranks train with it (DDP/FSDP) and take their share of the
+  hf generation calls (:mod:`sptool.distributed`).
 - :class:`Session`: the policies per role, R-Quest's frozen judge, the verifier, the held-out
   sets, and factories of the step functions every recipe uses (solve, verify, train, evaluate).
 """
@@ -57,7 +63,14 @@ class Policy:
                                  chat_template=s.model.chat_template, device=s.model.device or None,
                                  seed=s.run.seed)
             self.session.say(f"loading {self.role} policy from {self.start}")
-            self._trainer = PolicyTrainer(config, log=self.session.say)
+            dist = self.session.dist
+            if dist is not None and dist.is_main:
+                from sptool.distributed import RankZeroTrainer
+
+                dist.command("trainer", self.role, self.start)  # every rank loads it (DDP wrap is collective)
+                self._trainer = RankZeroTrainer(PolicyTrainer(config, log=self.session.say), dist, self.role)
+            else:
+                self._trainer = PolicyTrainer(config, log=self.session.say)
         return self._trainer
 
     @property
@@ -72,17 +85,46 @@ class Policy:
                     trainer.accelerator.unwrap_model(trainer.model), trainer.tokenizer,
                     model_id=str(trainer.config.model), batch_size=c.gen_batch_size,
                     chat_template=c.chat_template)
+                dist = self.session.dist
+                if dist is not None and dist.is_main and dist.world > 1:
+                    from sptool.distributed import ShardedBackend
+
+                    self._backend = ShardedBackend(self._backend, dist, self.role, log=self.session.say)
+            elif c.backend == "openai":
+                # the servers serve the base model by its name; then they get this run's weights
+                # (a restarted server, or one left at another run's checkpoint, is brought back)
+                self._backend = self.session.load_generator(c.policy)
+                self._update_generator(self.start)
             else:
                 self._backend = self.session.load_generator(self.start)
         return self._backend
 
-    def after_update(self, checkpoint: str) -> None:
-        """New weights: the shared ``hf`` backend sees them already; others reload."""
+    def before_update(self) -> None:
+        """The trainer is about to update: an in-process engine frees the GPU (colocated)."""
+        if self._backend is not None and hasattr(self._backend, "sleep"):
+            self._backend.sleep()
+
+    def after_update(self, checkpoint: str) -> str | None:
+        """New weights: the shared ``hf`` backend sees them already; ``vllm`` and ``openai``
+        switch the running engine or the servers to the checkpoint. Returns how (or None)."""
         self.start = checkpoint
-        backend = self.session.settings.model.backend
-        if backend not in ("hf", "scripted") and self._backend is not None:
-            self._backend.close()
-            self._backend = None
+        if self._backend is None:
+            return None
+        return self._update_generator(checkpoint)
+
+    def _update_generator(self, checkpoint: str) -> str | None:
+        update = getattr(self._backend, "update_weights", None)
+        if update is None:
+            return None
+        from sptool.records import RuntimeFailure
+
+        try:
+            how = update(checkpoint)
+        except RuntimeFailure as exc:
+            raise RuntimeFailure(f"{exc}; restart the server(s), then continue with `sptool run --resume "
+                                 f"--run-dir {self.session.run_dir.path}`") from None
+        self.session.say(f"{self.role}: generating from {checkpoint} ({how})")
+        return how
 
     def close(self) -> None:
         if self._backend is not None:
@@ -108,6 +150,43 @@ class Session:
         self.writer = CheckpointWriter()
         self.replay: list[tuple[str, set[str]]] = []  # train steps to train again on resume
         self.replaying: dict[str, str | None] | None = None  # role -> its recorded checkpoint, on replay
+        self.dist = None
+        from sptool.distributed import launched
+
+        if launched():
+            import os
+
+            from sptool.distributed import Distributed
+
+            model = self.settings.model
+            if model.backend == "vllm":
+                raise UsageError("model.backend=vllm runs in one process; with several processes use hf "
+                                 "(generation split across the ranks) or openai (servers)")
+            if model.backend == "hf" and os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+                raise UsageError("under FSDP each rank holds a shard of the policy, so the hf backend cannot "
+                                 "generate from it: use --backend openai with `sptool serve` servers (or DDP)")
+            self.dist = Distributed(cpu=model.device.startswith("cpu") or None)
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes the run (the only one, or rank 0 of several)."""
+        return self.dist is None or self.dist.is_main
+
+    def serve_rank(self) -> None:
+        """Ranks > 0 of a multi-process run: train and generate as rank 0 commands."""
+        from sptool.distributed import serve_rank
+
+        policies: dict[str, Policy] = {}
+
+        def trainer_for(role: str, start: str):
+            policies[role] = Policy(self, role, start)
+            return policies[role].trainer
+
+        try:
+            serve_rank(self.dist, trainer_for, lambda role: policies[role].backend)
+        finally:
+            for policy in policies.values():
+                policy.close()
 
     def say(self, message: str) -> None:
         if self.log is not None:
@@ -151,8 +230,16 @@ class Session:
         c = self.settings.model
         if c.backend == "scripted":
             return load_backend("scripted", c.script or "scripted")
+        options: dict[str, Any] = {}
+        if c.backend == "openai":
+            options["base_url"] = c.base_url or None
+        lora_r = self.settings.train.lora_r
+        if c.backend == "vllm" and lora_r:  # adapters swapped into the running engine
+            options.update(enable_lora=True, max_lora_rank=next(r for r in (8, 16, 32, 64, 128, 256, 512)
+                                                                  if r >= lora_r or r == 512))
         return load_backend(c.backend, model, device=c.device or None, dtype=c.dtype or None,
-                            batch_size=c.gen_batch_size, chat_template=c.chat_template, log=self.say)
+                            batch_size=c.gen_batch_size, chat_template=c.chat_template, log=self.say,
+                            **options)
 
     @property
     def judge(self):
@@ -205,6 +292,8 @@ class Session:
             self._judge.close()
         if self._verifier is not None:
             self._verifier.close()
+        if self.dist is not None:
+            self.dist.stop()
 
     # -- step functions every recipe uses --------------------------------------------------------
 
@@ -250,6 +339,7 @@ class Session:
                             "skipped": "no training groups"})
                 continue
             trainer = policy.trainer
+            policy.before_update()
             per_update = max(1, math.ceil(len(mine) / updates))
             metrics: dict[str, Any] = {}
             for chunk in split_updates(mine, per_update):
@@ -262,6 +352,7 @@ class Session:
                 if self.replaying[role]:
                     record["checkpoint"] = self.replaying[role]
                     self._save(ctx, role, trainer, self.run_dir.path / self.replaying[role])
+                    policy.after_update(str(self.run_dir.path / self.replaying[role]))
                 continue
             faults.kill_point(ctx.key, "train-done")
             if not checkpoint_due(self.config, ctx.iteration):
@@ -271,7 +362,9 @@ class Session:
             directory.parent.mkdir(parents=True, exist_ok=True)
             record["checkpoint"] = str(directory.relative_to(self.run_dir.path))
             self._save(ctx, role, trainer, directory)
-            policy.after_update(str(directory))
+            how = policy.after_update(str(directory))
+            if how is not None:
+                record["weights_update"] = how  # vllm/openai: "in-place" or "adapter" (or "restart")
         return out
 
     def _save(self, ctx: StepContext, role: str, trainer, directory) -> None:

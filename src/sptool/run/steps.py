@@ -76,7 +76,16 @@ class StepContext:
         return [record for name in self.step.inputs for record in self.output(name)]
 
     def run_stage(self, stage: Stage, records: list[dict]) -> list[dict]:
-        """Run a library stage over ``records``, counting items and collecting drops."""
+        """Run a library stage over ``records``, counting items and collecting drops. In a
+        multi-process run, the stage's generation calls are spread over the ranks."""
+        backend = getattr(stage, "backend", None)
+        if getattr(backend, "sharded", False):
+            from sptool.distributed import run_sharded
+
+            return run_sharded(backend, stage, records, lambda chosen: self._run_stage(stage, chosen))
+        return self._run_stage(stage, records)
+
+    def _run_stage(self, stage: Stage, records: list[dict]) -> list[dict]:
         stage.stats = StageStats()
         stage.on_drop = lambda record, reason: self.rejects.append({**record, "reject_reason": reason})
         out = []

@@ -850,7 +850,9 @@ class PolicyTrainer:
 
     def save(self, output: str | os.PathLike) -> None:
         """Rank 0 writes the checkpoint atomically; other ranks wait for it. Weights that are
-        not finite are never written (the input checkpoint stays the latest good one)."""
+        not finite are never written (the input checkpoint stays the latest good one). Under FSDP
+        every rank takes part in gathering the full weights, which rank 0 saves in the ordinary HF
+        format (the sharded optimizer state is not saved: a resumed FSDP run starts a fresh optimizer)."""
         accelerator = self.accelerator
         broken = self.non_finite_parameters()
         if broken:
@@ -858,6 +860,10 @@ class PolicyTrainer:
             raise RuntimeFailure(f"the update made weights non-finite (NaN/inf in {', '.join(broken[:3])}{more}); "
                                  f"checkpoint {output} not written (lower --learning-rate or check the rewards)")
         accelerator.wait_for_everyone()
+        full_state = None
+        fsdp = str(accelerator.distributed_type).endswith("FSDP")
+        if fsdp:
+            full_state = accelerator.get_state_dict(self.model)  # collective: full weights at rank 0
         if accelerator.is_main_process:
             import transformers
 
@@ -865,11 +871,12 @@ class PolicyTrainer:
             policy = accelerator.unwrap_model(self.model)
 
             def save_model(directory: str) -> None:
-                policy.save_pretrained(directory, safe_serialization=True)
+                policy.save_pretrained(directory, safe_serialization=True, state_dict=full_state)
                 if self.tokenizer is not None:
                     self.tokenizer.save_pretrained(directory)
 
-            ckpt.save_checkpoint(output, save_model=save_model, optimizer_state=self.optimizer.state_dict(),
+            ckpt.save_checkpoint(output, save_model=save_model,
+                                 optimizer_state=None if fsdp else self.optimizer.state_dict(),
                                  state=self.checkpoint_state())
         accelerator.wait_for_everyone()
 
