@@ -86,9 +86,10 @@ run_opts="--recipe svs --data fixtures/addition_train.jsonl -n ${ITERS:-3} --set
 rm -rf /tmp/run-1 /tmp/run-2
 timeout 500 python3 -m sptool.cli.main run $run_opts --run-dir /tmp/run-1 2>&1 | tail -3
 timeout 500 $ACC --multi_gpu -m sptool.cli.main run $run_opts --run-dir /tmp/run-2 2>&1 | grep -vi warn | tail -3
-# resume after a kill of rank 1 in iteration 2 (the launcher ends rank 0 too)
+# resume after rank 0 is SIGKILLed at the start of iteration 2's train step (the launcher then
+# ends rank 1 too)
 rm -rf /tmp/run-k
-SPTOOL_TEST_KILL_RANK=1 SPTOOL_TEST_KILL_AT=2/train:start timeout 500 $ACC --multi_gpu -m sptool.cli.main run $run_opts --run-dir /tmp/run-k 2>&1 | tail -2
+SPTOOL_TEST_KILL_AT=2/train:start timeout 500 $ACC --multi_gpu -m sptool.cli.main run $run_opts --run-dir /tmp/run-k 2>&1 | tail -2
 timeout 500 $ACC --multi_gpu -m sptool.cli.main run $run_opts --run-dir /tmp/run-k --resume 2>&1 | tail -2
 python3 - <<'PY'
 import json, collections
@@ -111,7 +112,7 @@ def records(run):
     return {key: entry["sha256"] for key, entry in json.load(open(f"{run}/manifest.json"))["stages"].items()}
 try:
     a, b = records("/tmp/run-2"), records("/tmp/run-k")
-    print(f"killed rank 1 + --resume: {sum(a[k] == b.get(k) for k in a)}/{len(a)} step outputs identical to the uninterrupted 2-process run")
+    print(f"killed rank 0 + --resume: {sum(a[k] == b.get(k) for k in a)}/{len(a)} step outputs identical to the uninterrupted 2-process run")
 except OSError as e:
     print("resume check:", e)
 PY

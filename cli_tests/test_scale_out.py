@@ -287,7 +287,9 @@ def test_two_processes_train_like_one(tmp_path):
     calls are split over the ranks, rank 0 alone writes; same records and the same checkpoint
     weights (within 1e-5) as one process."""
     launcher = shutil.which("accelerate") or str(Path(sys.executable).parent / "accelerate")
-    options = ["run", "--recipe", "svs", "--tiny", "-n", "2", "--set", "train.learning_rate=1e-4", "-q"]
+    # one question per generate call (4 samples fill the batch), so the solve steps have calls to split
+    options = ["run", "--recipe", "svs", "--tiny", "-n", "2", "--set", "train.learning_rate=1e-4",
+               "--set", "model.gen_batch_size=4", "-q"]
     single = run_sptool(*options, "--run-dir", str(tmp_path / "one"), timeout=1800)
     assert single.returncode == 0, single.stderr[-3000:]
     dual = subprocess.run([launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
@@ -296,7 +298,7 @@ def test_two_processes_train_like_one(tmp_path):
                           capture_output=True, text=True, timeout=2400,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert dual.returncode == 0, dual.stderr[-3000:]
-    assert "calls over 2 processes" in dual.stderr  # some generation step was split (svs challenge)
+    assert "generation: 3 calls over 2 processes" in dual.stderr  # the solve steps were split
     one, two = tmp_path / "one", tmp_path / "two"
     assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
     hashes_one, hashes_two = step_hashes(one), step_hashes(two)
