@@ -1,7 +1,10 @@
 """Learning parity: a bare Dr. GRPO loop, TRL's ``GRPOTrainer`` and ``sptool run --recipe rlvr``.
 
-Three arms train the same model on the same labelled set (``fixtures/addition_train.jsonl``) with
-the same prompt (a template file, rendered by the tokenizer's chat template), reward (1 for the
+Three arms train the same model on the same labelled set (default ``fixtures/addition_small_train.jsonl``:
+sums of two numbers from 2 to 19; on the two-digit sums of ``fixtures/addition_train.jsonl`` the tiny
+model gets no sample right, pass@4 = 0 over 64 problems, so no arm has a learning signal) with
+the same prompt (a template file, rendered by the tokenizer's chat template, then an assistant
+prefix, default sptool's few-shot ``direct`` prompt with prefix ``\\boxed{`` and stop ``}``), reward (1 for the
 right ``\\boxed{}`` answer, 0.1 for a box with a wrong answer, 0 without a box), sampling
 (temperature 1, top-p 1, no top-k), token budget, learning rate (constant, AdamW, clip 1.0),
 batch (problems × samples per optimizer step, one step per batch) and seed:
@@ -14,7 +17,7 @@ batch (problems × samples per optimizer step, one step per batch) and seed:
   checkpointing, stay);
 - **sptool**: ``sptool run --recipe rlvr`` in a subprocess, with the same values as ``--set``.
 
-Each arm prints held-out greedy accuracy (``fixtures/bench/addition_heldout.jsonl``, strict: the
+Each arm prints held-out greedy accuracy (``fixtures/bench/addition_small_heldout.jsonl``, strict: the
 boxed answer must be right) before training, every ``--eval-every`` steps and after the last,
 and seconds per step split into generation, grading, training and the rest (held-out
 evaluation excluded). Results: ``OUT/<arm>.json`` per arm, ``OUT/parity.json`` and
@@ -63,10 +66,12 @@ class Settings:
     eval_every: int
     micro_batch: int
     model: str = "tiny"
-    train: str = str(ROOT / "fixtures/addition_train.jsonl")
-    heldout: str = str(ROOT / "fixtures/bench/addition_heldout.jsonl")
+    train: str = str(ROOT / "fixtures/addition_small_train.jsonl")
+    heldout: str = str(ROOT / "fixtures/bench/addition_small_heldout.jsonl")
     heldout_limit: int = 0
-    prompt: str = str(ROOT / "benchmarks/parity_prompt.txt")
+    prompt: str = str(ROOT / "src/sptool/prompts/solve_direct.txt")
+    prefix: str = "\\boxed{"  # the assistant's reply starts here (every arm)
+    stop: str = "}"  # and ends at this string
 
     @property
     def cuda(self) -> bool:
@@ -120,6 +125,17 @@ def fill(template: str, question: str) -> str:
     return template.replace("{question}", question)
 
 
+def render(tokenizer, template: str, question: str, settings: "Settings") -> str:
+    """The chat-template prompt text, then the assistant prefix (as sptool's backends do)."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": fill(template, question)}],
+                                         tokenize=False, add_generation_prompt=True) + settings.prefix
+
+
+def stop_options(tokenizer, settings: "Settings") -> dict:
+    """``generate`` options that end a sequence at the stop string."""
+    return {"stop_strings": [settings.stop], "tokenizer": tokenizer} if settings.stop else {}
+
+
 def model_path(model: str) -> str:
     """A directory ``from_pretrained`` loads: ``tiny`` is sptool's converted copy of the GGUF."""
     if model == "tiny":
@@ -162,8 +178,7 @@ def greedy_accuracy(model, tokenizer, problems: list[dict], template: str, setti
 
     was_training = model.training
     model.eval()
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": fill(template, p["question"])}],
-                                           tokenize=False, add_generation_prompt=True) for p in problems]
+    texts = [render(tokenizer, template, p["question"], settings) for p in problems]
     right = 0
     for start in range(0, len(texts), 256):
         encoded = tokenizer(texts[start:start + 256], return_tensors="pt", padding=True,
@@ -171,8 +186,9 @@ def greedy_accuracy(model, tokenizer, problems: list[dict], template: str, setti
         with torch.inference_mode():
             out = model.generate(**encoded, do_sample=False, max_new_tokens=settings.max_tokens,
                                  pad_token_id=tokenizer.pad_token_id, use_cache=True,
-                                 temperature=None, top_p=None, top_k=None)
-        completions = tokenizer.batch_decode(out[:, encoded["input_ids"].shape[1]:], skip_special_tokens=True)
+                                 temperature=None, top_p=None, top_k=None, **stop_options(tokenizer, settings))
+        completions = [settings.prefix + c for c in
+                       tokenizer.batch_decode(out[:, encoded["input_ids"].shape[1]:], skip_special_tokens=True)]
         right += sum(reward(c, p["answer"]) == 1.0 for c, p in zip(completions, problems[start:start + 256]))
     model.train(was_training)
     return right / len(problems)
@@ -263,22 +279,31 @@ def run_bare(settings: Settings, recorder: Recorder) -> None:
             random.Random(settings.seed * 1000 + step).shuffle(epoch)
             order.extend(epoch)
         batch, order = [train[i] for i in order[:settings.problems]], order[settings.problems:]
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": fill(template, p["question"])}],
-                                               tokenize=False, add_generation_prompt=True) for p in batch]
+        texts = [render(tokenizer, template, p["question"], settings) for p in batch]
         encoded = tokenizer([t for t in texts for _ in range(settings.samples)], return_tensors="pt",
                             padding=True, add_special_tokens=False).to(settings.device)
         with clock.part("generation"):
             model.eval()
             with torch.no_grad():
                 sequences = model.generate(**encoded, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                                           max_new_tokens=settings.max_tokens, pad_token_id=tokenizer.pad_token_id)
+                                           max_new_tokens=settings.max_tokens, pad_token_id=tokenizer.pad_token_id,
+                                           **stop_options(tokenizer, settings))
             prompt_len = encoded["input_ids"].shape[1]
             completion = sequences[:, prompt_len:]
+            # trained tokens: up to the first end-of-sequence token (included); a sequence ended by
+            # the stop string is padded after it (pad tokens excluded unless pad is the EOS token)
             is_stop = torch.isin(completion, stops)
             first = torch.where(is_stop.any(1), is_stop.int().argmax(1), completion.shape[1])
-            mask = (torch.arange(completion.shape[1], device=completion.device)[None] <= first[:, None]).long()
-            texts_out = tokenizer.batch_decode(completion.masked_fill(mask == 0, tokenizer.pad_token_id),
-                                               skip_special_tokens=True)
+            positions_c = torch.arange(completion.shape[1], device=completion.device)[None]
+            mask = positions_c <= first[:, None]
+            if tokenizer.pad_token_id not in stops.tolist():
+                is_pad = completion == tokenizer.pad_token_id
+                mask &= positions_c < torch.where(is_pad.any(1), is_pad.int().argmax(1), completion.shape[1])[:, None]
+                is_stop = is_stop | is_pad
+            mask = mask.long()
+            texts_out = [settings.prefix + t for t in
+                         tokenizer.batch_decode(completion.masked_fill(mask == 0, tokenizer.pad_token_id),
+                                                skip_special_tokens=True)]
         with clock.part("grading"):
             rewards = torch.tensor([reward(text, batch[i // settings.samples]["answer"])
                                     for i, text in enumerate(texts_out)], device=settings.device)
@@ -321,6 +346,9 @@ def run_trl(settings: Settings, recorder: Recorder) -> None:
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    if settings.prefix or settings.stop:
+        raise SystemExit("trl arm: GRPOTrainer takes no assistant prefix or stop string; "
+                         "run it with --prefix '' --stop '' (and a prompt that asks for \\boxed{})")
     torch.manual_seed(settings.seed)
     model, tokenizer = load_model(settings)
     template = Path(settings.prompt).read_text(encoding="utf-8")
@@ -428,13 +456,14 @@ def run_sptool(settings: Settings, recorder: Recorder, workdir: Path) -> None:
         "model.policy": settings.model, "model.device": settings.device,
         "model.gen_batch_size": settings.problems * settings.samples,
         "verify.require_boxed": True, "prompts.solve": settings.prompt,
+        "prompts.solve_prefix": settings.prefix, "prompts.solve_stop": [settings.stop] if settings.stop else [],
         "eval.benchmarks": str(heldout), "eval.every": settings.eval_every, "eval.samples": 0,
         "eval.max_tokens": settings.max_tokens,
     }
     command = [sys.executable, "-m", "sptool.cli.main", "run", "--recipe", "rlvr", "--run-dir", str(run_dir),
                "-n", str(settings.steps), "--seed", str(settings.seed)]
     for key, value in sets.items():
-        command += ["--set", f"{key}={json.dumps(value) if isinstance(value, (str, bool)) else value}"]
+        command += ["--set", f"{key}={json.dumps(value) if isinstance(value, (str, bool, list)) else value}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
                PYTHONUNBUFFERED="1")
     recorder.notes["command"] = " ".join(command)
@@ -534,8 +563,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--heldout-limit", type=int, default=None, help="first N held-out problems (cpu 4, cuda all)")
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (cuda 128)")
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--prompt", default=str(ROOT / "benchmarks/parity_prompt.txt"),
-                        help="solver prompt template file ({question})")
+    parser.add_argument("--prompt", default=Settings.prompt,
+                        help="solver prompt template file ({question}); default sptool's few-shot 'direct' prompt")
+    parser.add_argument("--prefix", default=Settings.prefix, help="assistant reply prefix (every arm)")
+    parser.add_argument("--stop", default=Settings.stop, help="stop string ('' for none)")
+    parser.add_argument("--train", default=str(ROOT / "fixtures/addition_small_train.jsonl"),
+                        help="training problems (JSONL question, answer)")
+    parser.add_argument("--heldout", default=str(ROOT / "fixtures/bench/addition_small_heldout.jsonl"),
+                        help="held-out problems (JSONL question, answer)")
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/parity-DEVICE)")
     parser.add_argument("--report", default=None, metavar="DIR", help="only print the table of DIR")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -554,7 +589,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(device=device, steps=args.steps, problems=problems, samples=samples,
                     max_tokens=pick(args.max_tokens, 64, 8), lr=args.lr, seed=args.seed,
                     eval_every=args.eval_every, micro_batch=pick(args.micro_batch, 128, problems * samples),
-                    model=args.model, heldout_limit=pick(args.heldout_limit, 0, 4), prompt=args.prompt)
+                    model=args.model, heldout_limit=pick(args.heldout_limit, 0, 4), prompt=args.prompt,
+                    prefix=args.prefix, stop=args.stop, train=args.train, heldout=args.heldout)
 
 
 def main(argv=None) -> int:
