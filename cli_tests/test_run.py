@@ -507,3 +507,27 @@ def test_tiny_recipe_completes_with_the_real_model(recipe, tmp_path):
     assert manifest["order"][-1].endswith("-health")
     assert manifest["order"][-2].endswith("train") or manifest["order"][-2].endswith("posterior-update")
     print(f"\n{recipe} --tiny (1 iteration): {wall:.0f}s")
+
+
+@pytest.mark.parametrize("iteration, unsaved, written", [
+    (2, True, True),    # the last iteration trained nothing: the earlier deferred updates are written
+    (1, True, False),   # not due yet (checkpoint_every 10): they wait for the last iteration
+    (2, False, False),  # nothing new since the last checkpoint: no second copy
+])
+def test_last_iteration_without_groups_still_writes_the_deferred_updates(iteration, unsaved, written):
+    from types import SimpleNamespace
+
+    from sptool.run.session import Policy, Session
+
+    session = object.__new__(Session)
+    session.replaying = None
+    session.config = {"model": {"backend": "hf"}, "run": {"checkpoint_every": 10, "iterations": 2}}
+    policy = object.__new__(Policy)
+    policy._trainer = SimpleNamespace(step=3)
+    policy.saved_step = 2 if unsaved else 3
+    session.policies = {"policy": policy}
+    calls = []
+    session._checkpoint = lambda ctx, role, p, trainer, record: calls.append((role, trainer.step))
+    out = session._train(SimpleNamespace(iteration=iteration), [], ["policy"], 1)
+    assert out[0]["skipped"] == "no training groups"
+    assert calls == ([("policy", 3)] if written else [])

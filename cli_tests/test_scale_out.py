@@ -289,6 +289,7 @@ def test_two_processes_train_like_one(tmp_path):
     launcher = shutil.which("accelerate") or str(Path(sys.executable).parent / "accelerate")
     # one question per generate call (4 samples fill the batch), so the solve steps have calls to split
     options = ["run", "--recipe", "svs", "--tiny", "-n", "2", "--set", "train.learning_rate=1e-4",
+               "--set", "run.checkpoint_every=1",
                "--set", "model.gen_batch_size=4", "-q"]
     single = run_sptool(*options, "--run-dir", str(tmp_path / "one"), timeout=1800)
     assert single.returncode == 0, single.stderr[-3000:]

@@ -51,6 +51,11 @@ class Policy:
         self.session, self.role, self.start = session, role, start
         self._trainer = None
         self._backend = None
+        self.saved_step: int | None = None  # the trainer step whose weights are on disk
+
+    def has_unsaved_updates(self) -> bool:
+        """Whether the trainer took steps since its weights were loaded or last written."""
+        return self._trainer is not None and self._trainer.step != self.saved_step
 
     @property
     def trainer(self):
@@ -71,6 +76,7 @@ class Policy:
                 self._trainer = RankZeroTrainer(PolicyTrainer(config, log=self.session.say), dist, self.role)
             else:
                 self._trainer = PolicyTrainer(config, log=self.session.say)
+            self.saved_step = self._trainer.step  # the weights it loaded
         return self._trainer
 
     @property
@@ -335,8 +341,14 @@ class Session:
             mine = [g for g in groups if self.role_for_group(g) == role]
             policy = self.policies[role]
             if not mine:
-                out.append({"role": role, "step": None, "checkpoint": None, "groups": 0,
-                            "skipped": "no training groups"})
+                record = {"role": role, "step": None, "checkpoint": None, "groups": 0,
+                          "skipped": "no training groups"}
+                out.append(record)
+                if (self.replaying is None and policy.has_unsaved_updates()
+                        and checkpoint_due(self.config, ctx.iteration)):
+                    # the run's last iteration (or a due one) trained nothing: the updates since
+                    # the last checkpoint are written now, not lost with the process
+                    self._checkpoint(ctx, role, policy, policy.trainer, record)
                 continue
             trainer = policy.trainer
             policy.before_update()
@@ -358,14 +370,20 @@ class Session:
             if not checkpoint_due(self.config, ctx.iteration):
                 record["deferred"] = True
                 continue
-            directory = self.run_dir.path / "ckpt" / role / f"step-{trainer.step:04d}"
-            directory.parent.mkdir(parents=True, exist_ok=True)
-            record["checkpoint"] = str(directory.relative_to(self.run_dir.path))
-            self._save(ctx, role, trainer, directory)
-            how = policy.after_update(str(directory))
-            if how is not None:
-                record["weights_update"] = how  # vllm/openai: "in-place" or "adapter" (or "restart")
+            self._checkpoint(ctx, role, policy, trainer, record)
         return out
+
+    def _checkpoint(self, ctx: StepContext, role: str, policy: Policy, trainer, record: dict) -> None:
+        """Write ``role``'s checkpoint ``ckpt/ROLE/step-N`` (recorded in ``record``) and point its
+        generator at it."""
+        directory = self.run_dir.path / "ckpt" / role / f"step-{trainer.step:04d}"
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        record["checkpoint"] = str(directory.relative_to(self.run_dir.path))
+        self._save(ctx, role, trainer, directory)
+        policy.saved_step = trainer.step
+        how = policy.after_update(str(directory))
+        if how is not None:
+            record["weights_update"] = how  # vllm/openai: "in-place" or "adapter" (or "restart")
 
     def _save(self, ctx: StepContext, role: str, trainer, directory) -> None:
         """Write the checkpoint: in the background from a CPU copy when the generator shares the
