@@ -531,3 +531,27 @@ def test_last_iteration_without_groups_still_writes_the_deferred_updates(iterati
     out = session._train(SimpleNamespace(iteration=iteration), [], ["policy"], 1)
     assert out[0]["skipped"] == "no training groups"
     assert calls == ([("policy", 3)] if written else [])
+
+
+def test_background_checkpoint_copy_keeps_tied_weights_tied(tmp_path):
+    """The CPU copy behind background checkpoints keeps tied embeddings as one tensor, so the
+    checkpoint has the same tensors as ``save_pretrained`` (it wrote a second, untied lm_head)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sptool.run.checkpoints import _cpu_copy
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    copy = _cpu_copy(model.state_dict())
+    assert copy["lm_head.weight"] is copy["model.embed_tokens.weight"]
+    model.save_pretrained(tmp_path / "copy", state_dict=copy, safe_serialization=True)
+    model.save_pretrained(tmp_path / "plain")
+    keys = {}
+    for name in ("copy", "plain"):
+        with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as handle:
+            keys[name] = set(handle.keys())
+    assert keys["copy"] == keys["plain"]

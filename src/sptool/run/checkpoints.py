@@ -60,15 +60,22 @@ def replay_plan(train_entries: Iterable[tuple[str, list[dict]]], run_dir: Path,
     return starts, [(key, roles) for key, roles in replay if roles]
 
 
-def _cpu_copy(value: Any) -> Any:
+def _cpu_copy(value: Any, seen: dict | None = None) -> Any:
+    """A CPU copy of tensors in nested dicts/lists; tensors that share memory (tied embeddings)
+    stay shared, so ``save_pretrained`` still recognises and drops the tied copy."""
     import torch
 
+    seen = {} if seen is None else seen
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
+               tuple(value.stride()), value.dtype)
+        if key not in seen:
+            seen[key] = value.detach().to("cpu", copy=True)
+        return seen[key]
     if isinstance(value, dict):
-        return {k: _cpu_copy(v) for k, v in value.items()}
+        return {k: _cpu_copy(v, seen) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(v) for v in value)
+        return type(value)(_cpu_copy(v, seen) for v in value)
     return value
 
 
