@@ -49,10 +49,6 @@ def scripted_args(recipe: str, run_dir: Path, policy: str, *extra: str) -> list[
         # all 16 problems: the scripted solver answers 42, right only for "What is 12 + 30?", which
         # a 3-problem sample may miss (then no problem is in band and nothing trains)
         args += ["--data", str(FIXTURES / "svs_train.jsonl"), "--set", f"{recipe}.problems=16"]
-    if recipe == "rquest":
-        # replay adds round(n_solver · share / (1 − share)) validity groups: with the tiny run's
-        # few solver groups, the paper's 10% rounds to none; 50% gives one per solver group
-        args += ["--set", "rquest.replay_share=0.5"]
     return args + list(extra)
 
 
@@ -129,7 +125,7 @@ def test_prompts_section_resolves_names_files_prefix_and_stop(cli, tmp_path):
 def test_merge_order_set_beats_config_beats_tiny_beats_recipe(cli, tmp_path):
     from sptool.recipes import load_config
 
-    assert load_config("rzero")["rzero"]["questions"] == 512
+    assert load_config("rzero")["rzero"]["questions"] == 2048
     assert load_config("rzero", tiny=True)["rzero"]["questions"] == 4
     override = tmp_path / "over.toml"
     override.write_text('[rzero]\nquestions = 6\nsamples = 5\n[generation]\ntemperature = 0.7\n')
@@ -212,17 +208,20 @@ def test_scripted_recipe_runs_every_stage(recipe, tmp_path, random_policy):
     expected = {
         "svs": ["sample", "solve", "verify", "challenge", "solve-variants", "verify-variants", "filter", "train"],
         "rzero": ["q1-challenge", "q1-solve", "q1-verify", "q1-filter", "q1-train",
-                  "s-challenge", "s-solve", "s-verify", "s-filter", "s-train"],
+                  "s-challenge", "s-solve", "s-verify", "s-pool",
+                  "s1-rollout", "s1-verify", "s1-filter", "s1-train"],
         "rquest": ["q1-challenge", "q1-solve-validity", "q1-verify-validity", "q1-solve", "q1-verify",
                    "q1-novelty", "q1-filter", "q1-train", "s-challenge", "s-solve-validity",
-                   "s-verify-validity", "s-solve", "s-verify", "s-replay-solve", "s-replay-verify",
-                   "s-filter", "s-train"],
+                   "s-verify-validity", "s-solve", "s-verify", "s-pool",
+                   "s1-rollout", "s1-verify", "s1-filter", "s1-train"],
         "wist": ["tree-expand", "corpus-fetch", "challenge", "solve", "verify", "filter", "train",
                  "posterior-update"],
         "rlvr": ["sample", "solve", "verify", "filter", "train"],
     }[recipe]
     iterations = 2 if recipe in ("svs", "wist", "rlvr") else 1
-    assert stages == (expected + ["health"]) * iterations  # every iteration ends with its curriculum health
+    # R-Quest's validity initialisation is iteration 0 (no questions: no curriculum health)
+    prelude = ["init1-solve", "init1-verify", "init1-filter", "init1-train"] if recipe == "rquest" else []
+    assert stages == prelude + (expected + ["health"]) * iterations  # every iteration ends with its health
     for key, entry in manifest["stages"].items():
         path = run_dir / entry["output"]
         assert len(read_jsonl(path)) == entry["records"]
@@ -297,7 +296,8 @@ def test_svs_without_data_is_a_usage_error(tmp_path, random_policy):
 
 KILL_POINTS = {
     # recipe: [(stage:point), …] — mid-generation, mid-verify, mid-save (stage output and checkpoint)
-    "rquest": ["q1-solve-validity:mid", "q1-verify:mid", "q1-train:checkpoint", "s-filter:save"],
+    "rquest": ["init1-train:checkpoint", "q1-solve-validity:mid", "q1-verify:mid", "q1-train:checkpoint",
+               "s1-filter:save"],
     "svs": ["2/solve:mid", "2/train:checkpoint"],
 }
 

@@ -178,9 +178,9 @@ def run_sharded(backend: ShardedBackend, stage, records: list[dict], run: Callab
 # Ranks > 0
 
 
-def serve_rank(dist: Distributed, trainer_for: Callable[[str, str], Any],
+def serve_rank(dist: Distributed, trainer_for: Callable[..., Any],
                backend_for: Callable[[str], Any]) -> None:
-    """Ranks > 0: do rank 0's commands until ``stop``. ``trainer_for(role, start)`` loads a
+    """Ranks > 0: do rank 0's commands until ``stop``. ``trainer_for(role, start, reference)`` loads a
     role's trainer, ``backend_for(role)`` its generation backend (built like rank 0's)."""
     trainers: dict[str, Any] = {}
     while True:
@@ -188,8 +188,8 @@ def serve_rank(dist: Distributed, trainer_for: Callable[[str, str], Any],
         if op == "stop":
             return
         if op == "trainer":
-            role, start = args
-            trainers[role] = trainer_for(role, start)
+            role, start, *reference = args  # reference: the KL reference (R-Quest's restart)
+            trainers[role] = trainer_for(role, start, *reference)
         elif op == "update":
             role, groups = args
             trainers[role].update(groups)

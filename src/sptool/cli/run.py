@@ -44,7 +44,10 @@ class RunProgress:
                 self.iteration_times.append(time.monotonic() - self.iteration_started)
             self.iteration_started = time.monotonic()
             self.iteration = (event["iteration"], event["iterations"])
-            common.err_console.print(f"[bold]iteration {event['iteration']}/{event['iterations']}[/bold]")
+            if event.get("phase"):
+                common.err_console.print(f"[bold]{event['phase']}[/bold]")
+            else:
+                common.err_console.print(f"[bold]iteration {event['iteration']}/{event['iterations']}[/bold]")
         elif kind == "stage":
             self.stage_started = time.monotonic()
             self._update(f"{event['stage']} ({event['index']}/{event['total']}): starting{self.eta()}")

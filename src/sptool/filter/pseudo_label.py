@@ -11,6 +11,10 @@ groups, per batch of ``batch_size`` records (a ``group_id`` is never split).
   groups.
 - Validity initialisation (:class:`ValidityInitFilter`): a labelled validity set, solved in
   validity mode and verified, becomes validity groups with R-Quest's R_init reward.
+- A solver step of ``sptool run`` (:class:`RolloutFilter`): fresh rollouts of pool questions,
+  graded against the pool's majority pseudo-label, become solver groups (no band: the pool was
+  banded by the voting samples); replayed initialisation problems become validity groups, spread
+  through the update.
 """
 
 from __future__ import annotations
@@ -78,9 +82,10 @@ class RZeroFilter(TrainingGroupFilter):
     symbol = "p"                          # the agreement's name in reject reasons
     options: RZeroOptions
 
-    def __init__(self, options: PseudoLabelOptions | None = None, **common: Any):
+    def __init__(self, options: PseudoLabelOptions | None = None, *, questioner: bool = True, **common: Any):
         super().__init__(options, **common)
         self.solver_side_groups = 0           # solver groups so far (R-Quest's replay share)
+        self.questioner = questioner          # False: solver groups only (a round's solver pool)
 
     def score(self, record: dict) -> Scored | None:
         """R-Zero: a question with a math verdict; its reward waits for the batch's BLEU penalty."""
@@ -115,10 +120,11 @@ class RZeroFilter(TrainingGroupFilter):
                 result = self.score(record)
                 if result is not None:
                     scored.append(result)
-            self.penalise_repetition(scored)
-            for s in scored:
-                rewards[id(s.record)], terms[id(s.record)] = s.reward, s.terms
-            yield from self.questioner_groups(batch, rewards, terms)
+            if self.questioner:
+                self.penalise_repetition(scored)
+                for s in scored:
+                    rewards[id(s.record)], terms[id(s.record)] = s.reward, s.terms
+                yield from self.questioner_groups(batch, rewards, terms)
             for s in scored:
                 if s.agreement is not None:
                     group = self.banded_solver_group(s.record, s.agreement)
@@ -295,3 +301,54 @@ class ValidityInitFilter(ValidityGroups, TrainingGroupFilter):
             group = self.validity_group(record)
             if group is not None:
                 yield group
+
+
+def interleave(major: list, minor: list) -> list:
+    """``minor`` spread evenly through ``major`` (replay groups inside an update, not after it)."""
+    if not minor:
+        return list(major)
+    step = (len(major) + 1) / (len(minor) + 1)
+    positions = {round(step * (i + 1)) + i for i in range(len(minor))}
+    major_items, minor_items = iter(major), iter(minor)
+    out = [next(minor_items) if index in positions else next(major_items, None)
+           for index in range(len(major) + len(minor))]
+    return [item for item in out if item is not None] + list(minor_items)
+
+
+class RolloutFilter(ValidityGroups, TrainingGroupFilter):
+    """One solver step of R-Zero/R-Quest (``sptool run``): each pool question's fresh rollouts,
+    verified against its ``answer`` (the round's majority pseudo-label), are one solver group with
+    reward (1 − w)·correct + w·format; a replayed initialisation problem (``mode`` validity) is a
+    validity group with R_init, marked ``replay``. The replay groups are spread through the
+    solver groups. Of the recipe's options only ``format_weight`` applies (the pool was banded
+    by the voting samples)."""
+
+    Options = PseudoLabelOptions
+    options: PseudoLabelOptions
+
+    def __init__(self, options: PseudoLabelOptions | None = None, *, recipe: str = "rzero", **common: Any):
+        super().__init__(options, **common)
+        self.recipe = recipe
+
+    def process(self, records: Iterator[dict]) -> Iterator[dict]:
+        solver, replay = [], []
+        for record in records:
+            if verify_error_of(record):
+                self.drop(record, "verify_error")
+                continue
+            if record.get("mode") == "validity":
+                group = self.validity_group(record)
+                if group is not None:
+                    group["replay"] = True
+                    replay.append(group)
+                continue
+            samples = samples_of(record)
+            if not samples:
+                self.drop(record, "solver: no rollouts")
+                continue
+            rewards = [R.pseudo_label_solver_reward(s.get("correct"), has_boxed_answer(s),
+                                                    self.options.format_weight) for s in samples]
+            group = self.solver_group(record, rewards, pseudo_label=record.get("answer"))
+            if group is not None:
+                solver.append(group)
+        yield from interleave(solver, replay)

@@ -276,6 +276,11 @@ def check_values(config: dict, recipe: str) -> None:
 
     for section, cls in sections_for(recipe).items():
         check_ranges(section_object(cls, config[section]), lambda key: f"key '{section}.{key}':")
+    if config["train"]["shared_policy"]:
+        given = [f"model.{role}" for role in ("questioner", "solver") if config["model"][role]]
+        if given:
+            raise UsageError(f"key '{given[0]}': a per-role start needs two roles "
+                             f"(train.shared_policy = false); use model.policy")
 
 
 # ---------------------------------------------------------------------------- output

@@ -31,6 +31,7 @@ class Recipe:
 
     name = ""
     Config: type = object                 # the recipe section's dataclass
+    prelude_name = ""                     # what iteration 0 is, when the recipe has one (progress)
 
     def __init__(self, config: dict, session: "Session"):
         self.config = config
@@ -41,24 +42,34 @@ class Recipe:
     def plan(self, iteration: int) -> list[Step]:
         raise NotImplementedError
 
+    def prelude(self) -> list[Step]:
+        """Steps run once before the first iteration, as iteration 0 (``iter-0000``); most
+        recipes have none."""
+        return []
+
     def restore(self, run_dir: "RunDir") -> None:
         """Recover the recipe's own state (WIST's tree) from a run directory; most have none."""
 
     def filter(self, **inputs: str) -> StepFunction:
         """The recipe's filter (``sptool.filter.FILTERS``): verified records -> training groups.
         Its settings are the recipe section's fields of the same names; ``inputs`` hands it the
-        output of other steps by keyword (R-Quest: ``replay="s-replay-verify"``)."""
+        output of other steps by keyword."""
         def filter(ctx: StepContext, records: list[dict]) -> list[dict]:
             from sptool.filter import FILTERS
-            from sptool.train.losses import OBJECTIVES
 
             filter_class = FILTERS.get(self.name)
-            advantage = OBJECTIVES.get(self.settings.train.loss).advantage  # the trainer's own
             extra = {name: ctx.output(step) for name, step in inputs.items()}
-            stage = filter_class(self.filter_options(filter_class.Options), advantage=advantage,
+            stage = filter_class(self.filter_options(filter_class.Options), advantage=self.advantage,
                                  seed=ctx.seed, **extra)
             return ctx.run_stage(stage, records)
         return filter
+
+    @property
+    def advantage(self) -> str:
+        """The group advantage of the trainer's objective (``train.loss``)."""
+        from sptool.train.losses import OBJECTIVES
+
+        return OBJECTIVES.get(self.settings.train.loss).advantage
 
     def filter_options(self, options: type):
         """The filter's options from the recipe section (fields of the same names)."""

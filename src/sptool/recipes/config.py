@@ -42,7 +42,14 @@ class ModelConfig:
     backend: str = setting("hf", "generation backend: hf (shares weights with the trainer), scripted, "
                            "vllm, openai")
     script: str = setting("", "scripted backend: the JSONL script file")
-    judge: str = setting("", "R-Quest's frozen novelty judge; empty: model.policy")
+    questioner: str = setting("", "two-role recipes: the questioner's start (HF id, directory or "
+                              "checkpoint); empty: model.policy",
+                              "R-Quest §3.1: the questioner starts from the base model")
+    solver: str = setting("", "two-role recipes: the solver's start; empty: model.policy (R-Quest: an "
+                          "initialised solver here skips the validity initialisation)",
+                          "R-Quest App. A.3: the initialised solver is the self-play solver's start")
+    judge: str = setting("", "R-Quest's frozen novelty judge; empty: model.policy",
+                         "R-Quest §3: judged by the frozen base model")
     device: str = setting("", "cpu, cuda, cuda:1 …; empty: a GPU when there is one")
     dtype: str = setting("", "auto, bf16, fp16, fp32; empty: auto")
     gen_batch_size: int = setting(64, "sequences per forward batch (hf backend)", minimum=1)

@@ -1,26 +1,41 @@
 """R-Zero and R-Quest: a questioner and a solver evolve from nothing (seed 002).
 
-R-Zero (§2.1), per round: ``questioner_steps`` times, the questioner proposes questions, the
-solver answers each m times and the majority is the pseudo-label; the questioner is rewarded for
-questions the solver is unsure about (uncertainty − BLEU repetition penalty) and updated. Then
-the questioner proposes the solver's questions; those with majority agreement p in the band train
-the solver against the majority for ``solver_steps`` updates.
+R-Zero (§2.1), per round:
 
-R-Quest (§3) adds a validity gate (the solver first judges each question in validity mode; a
-question more than half judge invalid is not solved), a pairwise novelty gate (a frozen judge
-compares each question with K others) and a replay of the validity-initialisation set as 10 % of
-the solver's groups.
+1. ``questioner_steps`` times: the questioner proposes ``questions`` candidates
+   (``questioner_group`` per prompt, its GRPO group); the solver answers each ``samples`` (m = 10)
+   times and the majority is the pseudo-label; the questioner is rewarded for questions the
+   solver is unsure about (uncertainty − BLEU repetition penalty) and updated (``qN-*``).
+2. The updated questioner proposes ``solver_questions`` candidates (10,000 a round), graded the
+   same way; those whose majority agreement p is in the band, with a non-empty majority, form the
+   round's **pool**, labelled with their majority answer (``s-*``, ``s-pool``).
+3. ``solver_steps`` times: a batch of ``solver_batch`` pool questions (walking seeded
+   permutations of the pool, so each step draws its own batch) gets ``solver_rollouts`` (5)
+   **fresh** rollouts from the current solver, graded against the pool's pseudo-label
+   (0.9·correct + 0.1·format); these groups, not the voting samples, are the update (``sN-*``).
+   Every trained completion carries its sampling log-probabilities (``old_logprobs``).
+
+R-Quest (§3) adds: a validity gate before solving (the solver judges each question in validity
+mode; more than half INVALID excludes it and the questioner gets g_valid = 1/2 − u), a pairwise
+novelty gate judged by the frozen base model (``model.judge``), the **validity initialisation**
+(Table 6, Appendix A.3: ``init_steps`` updates of the solver on ``init_data`` — ``init_samples``
+answers per problem, batch ``init_batch``, top-p ``init_top_p`` — run once as iteration 0; the
+self-play solver starts from its last checkpoint, which is also its KL reference; the
+questioner starts from the base model), and a **replay** of the initialisation task: in every
+solver update, ``replay_share`` of the groups are initialisation problems drawn from the whole
+set (validity mode, R_init reward).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
 from sptool import rewards as R
 from sptool.filter.pseudo_label import RQuestOptions, RZeroOptions
 from sptool.recipes.base import Recipe, has_samples, is_parsed
-from sptool.run.steps import Step, StepContext
+from sptool.run.steps import Step, StepContext, stage_seed
 from sptool.settings import setting
 
 
@@ -28,16 +43,26 @@ from sptool.settings import setting
 class RoundConfig:
     """What one R-Zero/R-Quest round is made of (both papers)."""
 
-    questions: int = setting(512, "questioner candidates per questioner step", "R-Quest App. C.2 "
-                             "\"rollout 批 512\"", minimum=1)
+    questions: int = setting(2048, "questioner candidates per questioner step (prompts × "
+                             "questioner_group)", "R-Quest App. B.2 \"questioner 的 rollout 批最初有 2,048 "
+                             "个生成候选\" (512 prompts × 4)", minimum=1)
     questioner_group: int = setting(4, "questioner samples per prompt (its GRPO group)",
-                                    "WIST App. D (R-Zero) \"Challenger sampling 4\"", minimum=1)
-    samples: int = setting(10, "solver samples per question m (majority vote)", "R-Quest App. C.2",
-                           minimum=1)
-    questioner_steps: int = setting(5, "questioner updates per round", "R-Quest App. C.2", minimum=1)
-    solver_steps: int = setting(15, "solver updates per round", "R-Quest App. C.2", minimum=1)
-    solver_questions: int = setting(512, "questions generated for the solver's data per round",
-                                    minimum=1)
+                                    "WIST App. D (R-Zero) \"Challenger sampling 4\"; R-Quest App. C.2 "
+                                    "\"questioner 每输入 4 条回答\"", minimum=1)
+    samples: int = setting(10, "solver samples per question m (majority vote = pseudo-label)",
+                           "R-Quest App. C.2", minimum=1)
+    questioner_steps: int = setting(5, "questioner updates per round", "R-Quest App. C.2 \"每轮 "
+                                    "questioner 5 步\"", minimum=1)
+    solver_steps: int = setting(15, "solver updates per round, each on its own batch from the pool",
+                                "R-Quest App. C.2 \"solver 15 步\"", minimum=1)
+    solver_questions: int = setting(10000, "candidates generated per round for the solver's pool "
+                                    "(majority-labelled, banded)", "R-Quest §4.1 \"其余方法每轮 "
+                                    "10,000 道\"", minimum=1)
+    solver_batch: int = setting(512, "questions per solver update (pool draws, plus R-Quest's replay)",
+                                "R-Quest App. C.2 \"rollout 批 512\"", minimum=1)
+    solver_rollouts: int = setting(5, "fresh rollouts of the current solver per question: the "
+                                   "update's GRPO group", "R-Quest App. C.2 \"solver 5 条\"; WIST "
+                                   "App. D \"Reasoner sampling 5\"", minimum=1)
 
 
 @dataclass
@@ -47,17 +72,31 @@ class RZeroConfig(RZeroOptions, RoundConfig):
 
 @dataclass
 class RQuestConfig(RQuestOptions, RoundConfig):
-    """``[rquest]``: the filter's settings (:class:`RQuestOptions`), the round's, and the gates'."""
+    """``[rquest]``: the filter's settings (:class:`RQuestOptions`), the round's, the gates' and
+    the validity initialisation's."""
 
     validity_samples: int = setting(9, "validity-mode samples per question for u(q)",
                                     "R-Quest App. C.2 \"有效性采样 9 条\"", minimum=1)
     novelty_k: int = setting(8, "other questions each one is compared with by the judge",
                              "R-Quest §3 \"默认 K=8\"", minimum=1)
-    novelty_max_tokens: int = setting(16, "new tokens per novelty verdict", minimum=1)
-    replay: str = setting("fixtures/validity_init.jsonl", "the validity-initialisation set, re-solved "
-                          "each round and replayed as validity groups (empty: no replay)", "R-Quest §3")
-    replay_problems: int = setting(64, "validity-set problems re-solved per round for the replay",
-                                   minimum=1)
+    novelty_max_tokens: int = setting(16, "new tokens per novelty verdict (Yes/No)",
+                                      "not stated in R-Quest", minimum=1)
+    init_data: str = setting("fixtures/validity_init.jsonl", "the labelled validity-initialisation "
+                             "set (answer INVALID for a flawed problem), trained on first and replayed "
+                             "in every solver update; sptool ships a 12-problem sample",
+                             "R-Quest §3.1, Table 4 (1,943 problems)")
+    validity_init: bool = setting(True, "train the solver on init_data before self-play (iteration 0); "
+                                  "false, or model.solver = CKPT, skips it",
+                                  "R-Quest App. A.3 \"第 15 步检查点作为后续 solver 起点\"")
+    init_steps: int = setting(15, "validity-initialisation updates", "R-Quest Table 6 \"15 步\"",
+                              minimum=1)
+    init_batch: int = setting(512, "problems per validity-initialisation update",
+                              "R-Quest Table 6 \"批内 512 题\"", minimum=1)
+    init_samples: int = setting(8, "validity-mode answers per problem (the group)",
+                                "R-Quest Table 6 \"每题 8 条回答\"", minimum=1)
+    init_top_p: float = setting(0.99, "nucleus mass of the initialisation's sampling (learning rate, "
+                                "KL and temperature are [train] and [generation]'s)",
+                                "R-Quest Table 6 \"top-p 0.99\"", above=0, maximum=1)
     bleu_threshold: float = setting(R.BLEU_DISTANCE_THRESHOLD, "unused: R-Quest's questioner reward has "
                                     "no repetition penalty (kept so R-Zero-style configurations load)")
 
@@ -70,6 +109,32 @@ def is_math_with_samples(record: dict) -> bool:
     return record.get("mode") == "math" and bool(record.get("samples"))
 
 
+def walk(items: list, count: int, position: int, seed_of) -> list:
+    """Items ``position·count … (position+1)·count − 1`` of an endless walk through seeded
+    permutations of ``items`` (epoch ``e`` shuffled by ``seed_of(e)``): successive positions draw
+    successive batches, every item once per epoch, none twice in a batch when ``count <= len``."""
+    n = len(items)
+    orders: dict[int, list[int]] = {}
+    out = []
+    for index in range(position * count, (position + 1) * count):
+        epoch, offset = divmod(index, n)
+        if epoch not in orders:
+            orders[epoch] = list(range(n))
+            random.Random(seed_of(epoch)).shuffle(orders[epoch])
+        out.append(items[orders[epoch][offset]])
+    return out
+
+
+def replay_count(count: int, share: float) -> int:
+    """``round(count · share)`` (halves up), at least one when both are positive. The replay
+    groups of an update with ``n`` pool questions: ``replay_count(n, share / (1 − share))``, so
+    that they are ``share`` of its groups (512 = 461 + 51 at the paper's batch); a small batch
+    still keeps one."""
+    if share <= 0 or count < 1:
+        return 0
+    return max(1, math.floor(count * share + 0.5))
+
+
 class RZero(Recipe):
     name = "rzero"
     Config = RZeroConfig
@@ -80,23 +145,27 @@ class RZero(Recipe):
         steps: list[Step] = []
         for step in range(1, c.questioner_steps + 1):
             p = f"q{step}-"
-            last = self.propose_and_grade(steps, p, c.questions, novelty=self.novelty_gate)
+            last = self.propose_and_grade(steps, p, c.questions, novelty=self.novelty_gate, trained=True)
             steps += [Step(f"{p}filter", self.filter(), inputs=[last], kind="filter"),
                       Step(f"{p}train", s.train(["questioner"], groups=is_questioner_group),
                            inputs=[f"{p}filter"], kind="train")]
-        last = self.propose_and_grade(steps, "s-", c.solver_questions, novelty=False)
-        steps += self.replay_steps()
-        steps += [Step("s-filter", self.solver_filter(), inputs=[last], kind="filter"),
-                  Step("s-train", s.train(["solver"], updates=c.solver_steps,
-                                          groups=lambda g: not is_questioner_group(g)),
-                       inputs=["s-filter"], kind="train")]
+        last = self.propose_and_grade(steps, "s-", c.solver_questions, novelty=False, trained=False)
+        steps.append(Step("s-pool", self.pool, inputs=[last], kind="pool"))
+        for step in range(1, c.solver_steps + 1):
+            p = f"s{step}-"
+            steps += [Step(f"{p}rollout", self.rollouts(step), inputs=["s-pool"], kind="solve"),
+                      Step(f"{p}verify", s.verify(pseudo_label=False), inputs=[f"{p}rollout"],
+                           only=has_samples, kind="verify"),
+                      Step(f"{p}filter", self.rollout_groups, inputs=[f"{p}verify"], kind="filter"),
+                      Step(f"{p}train", s.train(["solver"]), inputs=[f"{p}filter"], kind="train")]
         return steps
 
-    def propose_and_grade(self, steps: list[Step], p: str, questions: int, novelty: bool) -> str:
-        """Append the steps that propose ``questions`` questions and grade them; returns the name
-        of the last one (the filter's input)."""
+    def propose_and_grade(self, steps: list[Step], p: str, questions: int, novelty: bool,
+                          trained: bool) -> str:
+        """Append the steps that propose ``questions`` questions and grade them by majority vote;
+        returns the name of the last one (the filter's input)."""
         s, c = self.session, self.c
-        steps.append(Step(f"{p}challenge", self.propose(questions), kind="challenge"))
+        steps.append(Step(f"{p}challenge", self.propose(questions, trained), kind="challenge"))
         last = self.validity_steps(steps, p, f"{p}challenge")
         steps += [Step(f"{p}solve", s.solve(c.samples, "math"), inputs=[last], only=self.solvable,
                        kind="solve"),
@@ -116,21 +185,22 @@ class RZero(Recipe):
     def solvable(record: dict) -> bool:
         return is_parsed(record)
 
-    def replay_steps(self) -> list[Step]:
-        return []
+    share = 0.0  # replay share of every solver update (R-Quest: rquest.replay_share)
 
-    def solver_filter(self):
-        return self.filter()
+    def replay_problems(self, ctx: StepContext, step: int, count: int) -> list[dict]:
+        return []
 
     # -- step bodies ----------------------------------------------------------------------------
 
-    def propose(self, questions: int):
-        """The questioner writes ``questions`` questions from nothing, ``questioner_group`` per prompt."""
+    def propose(self, questions: int, trained: bool):
+        """The questioner writes ``questions`` questions from nothing, ``questioner_group`` per
+        prompt (``trained``: with their sampling log-probabilities, for its update)."""
         def challenge(ctx: StepContext, records: list[dict]) -> list[dict]:
             from sptool.challenge import NothingChallengeStage
 
             stage = NothingChallengeStage(self.session.policy("questioner").backend, unseeded=True,
-                                          candidates=questions, params=self.session.params(ctx.seed),
+                                          candidates=questions,
+                                          params=self.session.params(ctx.seed, logprobs=trained),
                                           batch_size=self.c.questioner_group,
                                           prompt=self.session.prompt("questioner"))
             return ctx.run_stage(stage, [])
@@ -143,11 +213,117 @@ class RZero(Recipe):
                              max_new_tokens=self.c.novelty_max_tokens, prompt=self.session.prompt("novelty"))
         return ctx.run_stage(stage, records)
 
+    def pool(self, ctx: StepContext, records: list[dict]) -> list[dict]:
+        """The round's solver pool: the candidates the filter keeps for the solver (agreement in
+        the band, non-empty majority; R-Quest: past the validity gate), each labelled with its
+        majority answer (the pseudo-label the fresh rollouts are graded against)."""
+        from sptool.filter import FILTERS
+
+        filter_class = FILTERS.get(self.name)
+        stage = filter_class(self.filter_options(filter_class.Options), questioner=False,
+                             advantage=self.advantage, seed=ctx.seed)
+        groups = ctx.run_stage(stage, records)
+        out = []
+        for group in groups:
+            if group.get("role") != "solver":
+                continue
+            out.append({"id": group["source_ids"][0], "question": group["question"],
+                        "answer": group["pseudo_label"], "label_source": "majority",
+                        "origin": "questioner", "pool": True})
+        return out
+
+    def rollouts(self, step: int):
+        """Solver step ``step``: its own batch from the pool and fresh rollouts of the current
+        solver (``solver_rollouts`` each), plus, for R-Quest, the replayed initialisation
+        problems (:meth:`replay_problems`), together ``solver_batch`` questions."""
+        def rollout(ctx: StepContext, pool: list[dict]) -> list[dict]:
+            c, s = self.c, self.session
+            if not pool:
+                return []
+            run_seed = self.settings.run.seed
+            size = min(max(1, c.solver_batch - replay_count(c.solver_batch, self.share)), len(pool))
+            chosen = walk(pool, size, step - 1,
+                          lambda epoch: stage_seed(run_seed, ctx.iteration, f"pool-epoch-{epoch}"))
+            out = s.solve_records(ctx, [dict(r) for r in chosen], c.solver_rollouts, "math", trained=True)
+            replay = self.replay_problems(ctx, step, replay_count(size, self.share / (1 - self.share)))
+            if replay:
+                out += s.solve_records(ctx, replay, c.solver_rollouts, "validity", trained=True,
+                                       seed=stage_seed(run_seed, ctx.iteration, f"replay-{step}"))
+            return out
+        return rollout
+
+    def rollout_groups(self, ctx: StepContext, records: list[dict]) -> list[dict]:
+        """One GRPO group per question: the fresh rollouts graded against the pool's pseudo-label
+        (0.9·correct + 0.1·format); replayed initialisation problems get R_init, spread through
+        the update (:class:`sptool.filter.pseudo_label.RolloutFilter`)."""
+        from sptool.filter.pseudo_label import RolloutFilter
+
+        stage = RolloutFilter(self.filter_options(RolloutFilter.Options), recipe=self.name,
+                              advantage=self.advantage, seed=ctx.seed)
+        return ctx.run_stage(stage, records)
+
 
 class RQuest(RZero):
     name = "rquest"
     Config = RQuestConfig
     novelty_gate = True
+    prelude_name = "validity initialisation"
+
+    def __init__(self, config: dict, session) -> None:
+        super().__init__(config, session)
+        self._init_data: list[dict] | None = None
+
+    # -- the validity initialisation (iteration 0) ---------------------------------------------
+
+    def runs_validity_init(self) -> bool:
+        """The phase runs unless switched off, or the user brings a solver (``model.solver``)."""
+        return (self.c.validity_init and not self.settings.model.solver
+                and not self.settings.train.shared_policy)
+
+    def prelude(self) -> list[Step]:
+        if not self.runs_validity_init():
+            return []
+        s, c = self.session, self.c
+        steps: list[Step] = []
+        for step in range(1, c.init_steps + 1):
+            p = f"init{step}-"
+            steps += [Step(f"{p}solve", self.init_solve(step), kind="solve"),
+                      Step(f"{p}verify", s.verify(pseudo_label=False), inputs=[f"{p}solve"],
+                           only=has_samples, kind="verify"),
+                      Step(f"{p}filter", self.validity_groups, inputs=[f"{p}verify"], kind="filter"),
+                      Step(f"{p}train", s.train(["solver"], checkpoints="solver-init",
+                                                restart=step == c.init_steps),
+                           inputs=[f"{p}filter"], kind="train")]
+        return steps
+
+    def init_data(self) -> list[dict]:
+        """The labelled validity-initialisation set (``answer`` INVALID for a flawed problem)."""
+        if self._init_data is None:
+            from sptool.run.session import read_labelled_problems
+
+            self._init_data = read_labelled_problems(self.c.init_data, "R-Quest's validity initialisation")
+        return self._init_data
+
+    def init_solve(self, step: int):
+        """Initialisation step ``step``: ``init_batch`` problems (walking seeded permutations of
+        the set), ``init_samples`` validity-mode answers each at top-p ``init_top_p``."""
+        def solve(ctx: StepContext, records: list[dict]) -> list[dict]:
+            data = self.init_data()
+            run_seed = self.settings.run.seed
+            chosen = walk(data, min(self.c.init_batch, len(data)), step - 1,
+                          lambda epoch: stage_seed(run_seed, 0, f"init-epoch-{epoch}"))
+            return self.session.solve_records(ctx, [dict(r) for r in chosen], self.c.init_samples,
+                                              "validity", trained=True, top_p=self.c.init_top_p)
+        return solve
+
+    def validity_groups(self, ctx: StepContext, records: list[dict]) -> list[dict]:
+        """R_init groups: 1 for a right answer or a right INVALID, −0.5 for rejecting a valid
+        problem, −0.1 for an empty box, else 0."""
+        from sptool.filter.pseudo_label import ValidityInitFilter
+
+        return ctx.run_stage(ValidityInitFilter(advantage=self.advantage, seed=ctx.seed), records)
+
+    # -- self-play ------------------------------------------------------------------------------
 
     def validity_steps(self, steps: list[Step], p: str, last: str) -> str:
         """u(q): the solver judges each parsed question ``validity_samples`` times."""
@@ -163,21 +339,18 @@ class RQuest(RZero):
         """The validity gate: at most half the validity samples call the question invalid."""
         return is_parsed(record) and (record.get("invalid_frac") or 0) <= 0.5
 
-    def replay_steps(self) -> list[Step]:
-        if not self.c.replay:
+    @property
+    def share(self) -> float:
+        return self.c.replay_share
+
+    def replay_problems(self, ctx: StepContext, step: int, count: int) -> list[dict]:
+        """``count`` replayed initialisation problems for solver step ``step``, walking seeded
+        permutations of the whole set across every solver step of the run."""
+        if not count:
             return []
-        return [Step("s-replay-solve", self.replay_solve, kind="solve"),
-                Step("s-replay-verify", self.session.verify(pseudo_label=False), inputs=["s-replay-solve"],
-                     kind="verify")]
-
-    def solver_filter(self):
-        """The solver's filter, with the replayed validity groups when ``replay`` is set."""
-        return self.filter(replay="s-replay-verify") if self.c.replay else self.filter()
-
-    def replay_solve(self, ctx: StepContext, records: list[dict]) -> list[dict]:
-        """Re-solve (validity mode) a seeded sample of the validity-initialisation set for replay."""
-        from sptool.jsonl import read_records
-
-        pool = list(read_records(self.c.replay))
-        chosen = random.Random(ctx.seed).sample(pool, min(self.c.replay_problems, len(pool)))
-        return self.session.solve(self.c.validity_samples, "validity")(ctx, chosen)
+        data = self.init_data()
+        count = min(count, len(data))
+        position = (ctx.iteration - 1) * self.c.solver_steps + step - 1
+        run_seed = self.settings.run.seed
+        chosen = walk(data, count, position, lambda epoch: stage_seed(run_seed, 0, f"replay-epoch-{epoch}"))
+        return [{**record, "replay": True} for record in chosen]

@@ -52,15 +52,24 @@ class RunDriver:
                                            defaults=schema_for(self.config["recipe"]),
                                            config_text=lambda: to_toml(self.config))
 
+    def first_iteration(self) -> int:
+        """0 when the recipe has a phase before its iterations (R-Quest's validity
+        initialisation: ``iter-0000``), else 1."""
+        return 0 if self.recipe.prelude() else 1
+
     def plan(self, iteration: int) -> list[Step]:
-        """The recipe's steps, with the held-out evaluations around them."""
-        steps = self.recipe.plan(iteration)
+        """The recipe's steps (iteration 0: its first phase), with the held-out evaluations
+        around them: before anything trains, after every ``eval.every``-th and the last iteration."""
+        steps = self.recipe.prelude() if iteration == 0 else self.recipe.plan(iteration)
         if self.session.eval_sets():
             every = self.session.settings.eval.every
-            if iteration == 1:
+            if iteration == self.first_iteration():
                 steps.insert(0, Step("eval-before", self.session.evaluate(0), kind="eval"))
-            if iteration == self.session.settings.run.iterations or (every and iteration % every == 0):
+            if iteration and (iteration == self.session.settings.run.iterations
+                              or (every and iteration % every == 0)):
                 steps.append(Step("eval", self.session.evaluate(iteration), kind="eval"))
+        if iteration == 0:  # a phase before self-play generates no questions: no curriculum health
+            return steps
         if watch.probe_problems(self.config):
             steps += watch.probe_steps(self.session, self.config["health"]["probe_samples"])
         steps.append(watch.health_step(self.session, steps))
@@ -81,11 +90,14 @@ class RunDriver:
         started = time.monotonic()
         ran = resumed = 0
         try:
-            for iteration in range(1, iterations + 1):
+            for iteration in range(self.first_iteration(), iterations + 1):
                 steps = self.plan(iteration)
                 outputs: dict[str, Callable[[], list[dict]]] = {}
-                self.emit({"event": "iteration", "iteration": iteration, "iterations": iterations,
-                           "elapsed_s": time.monotonic() - started})
+                event = {"event": "iteration", "iteration": iteration, "iterations": iterations,
+                         "elapsed_s": time.monotonic() - started}
+                if iteration == 0:
+                    event["phase"] = self.recipe.prelude_name
+                self.emit(event)
                 for index, step in enumerate(steps, 1):
                     key = f"iter-{iteration:04d}/{index:02d}-{step.name}"
                     entry = self.run_dir.finished(key)

@@ -44,11 +44,28 @@ def read_labelled_problems(path: str, user: str) -> list[dict]:
     return problems
 
 
+def pack_completions(groups: list[dict], batch: int) -> list[list[dict]]:
+    """Consecutive groups packed into updates of at most ``batch`` completions (a group is never
+    split; one larger than ``batch`` is an update of its own): WIST's training batch."""
+    chunks: list[list[dict]] = []
+    size = 0
+    for group in groups:
+        n = len(group.get("completions") or [])
+        if chunks and size + n <= batch:
+            chunks[-1].append(group)
+            size += n
+        else:
+            chunks.append([group])
+            size = n
+    return chunks
+
+
 class Policy:
     """One trained role: its trainer (loaded on first use) and its generation backend."""
 
-    def __init__(self, session: "Session", role: str, start: str):
+    def __init__(self, session: "Session", role: str, start: str, reference: str | None = None):
         self.session, self.role, self.start = session, role, start
+        self.reference = reference  # the KL reference; None: the checkpoint's own, else the start
         self._trainer = None
         self._backend = None
         self.saved_step: int | None = None  # the trainer step whose weights are on disk
@@ -66,13 +83,14 @@ class Policy:
             config = TrainConfig(model=self.start, **s.train_options(),
                                  max_completion_tokens=s.generation.max_tokens,  # Dr. GRPO's L
                                  chat_template=s.model.chat_template, device=s.model.device or None,
-                                 seed=s.run.seed)
+                                 ref_model=self.reference, seed=s.run.seed)
             self.session.say(f"loading {self.role} policy from {self.start}")
             dist = self.session.dist
             if dist is not None and dist.is_main:
                 from sptool.distributed import RankZeroTrainer
 
-                dist.command("trainer", self.role, self.start)  # every rank loads it (DDP wrap is collective)
+                # every rank loads it (DDP wrap is collective), with the same KL reference
+                dist.command("trainer", self.role, self.start, self.reference)
                 self._trainer = RankZeroTrainer(PolicyTrainer(config, log=self.session.say), dist, self.role)
             else:
                 self._trainer = PolicyTrainer(config, log=self.session.say)
@@ -184,8 +202,10 @@ class Session:
 
         policies: dict[str, Policy] = {}
 
-        def trainer_for(role: str, start: str):
-            policies[role] = Policy(self, role, start)
+        def trainer_for(role: str, start: str, reference: str | None = None):
+            if role in policies:  # a restart (R-Quest's initialised solver)
+                policies[role].close()
+            policies[role] = Policy(self, role, start, reference)
             return policies[role].trainer
 
         try:
@@ -215,15 +235,40 @@ class Session:
     def policy(self, role: str) -> Policy:
         return self.policies["policy" if self.shared_policy else role]
 
+    def start_of(self, role: str) -> str:
+        """A role's configured start: ``model.questioner`` / ``model.solver``, else ``model.policy``."""
+        model = self.settings.model
+        return {"questioner": model.questioner, "solver": model.solver}.get(role) or model.policy
+
     def restore(self) -> None:
-        """Each role starts from ``model.policy`` or its newest complete checkpoint in the run
-        directory; ``self.replay`` lists the train steps recorded after it (to train again)."""
+        """Each role starts from its configured start (:meth:`start_of`) or its newest complete
+        checkpoint in the run directory; ``self.replay`` lists the train steps recorded after it
+        (to train again). A role restarted from a checkpoint (R-Quest's initialised solver) keeps
+        that checkpoint as its KL reference once it is complete (else replaying restarts it)."""
         entries = [(key, read_jsonl(self.run_dir.path / entry["output"]))
                    for key, entry in zip(self.run_dir.manifest.get("order", []), self.run_dir.entries())
                    if entry["kind"] == "train"]
         found, self.replay = replay_plan(entries, self.run_dir.path, self.settings.model.policy)
-        starts = {role: found.get(role, self.settings.model.policy) for role in self.roles()}
-        self.policies = {role: Policy(self, role, start) for role, start in starts.items()}
+        references: dict[str, str] = {}
+        for _, records in entries:
+            for record in records:
+                checkpoint = record.get("checkpoint")
+                if record.get("restart") and checkpoint and is_complete(self.run_dir.path / checkpoint):
+                    references[record["role"]] = str(self.run_dir.path / checkpoint)
+        starts = {role: found.get(role, self.start_of(role)) for role in self.roles()}
+        self.policies = {role: Policy(self, role, start, references.get(role))
+                         for role, start in starts.items()}
+
+    def restart(self, role: str, checkpoint: str) -> None:
+        """``role`` begins anew from ``checkpoint``: a fresh trainer whose KL reference is that
+        checkpoint (R-Quest: the self-play solver starts from the initialised solver)."""
+        self.writer.wait()  # the checkpoint is on disk before anything loads it
+        old = self.policies[role]
+        new = Policy(self, role, checkpoint, reference=checkpoint)
+        if self.settings.model.backend != "hf" and old._backend is not None:
+            new._backend, old._backend = old._backend, None  # already at the checkpoint (after_update)
+        old.close()
+        self.policies[role] = new
 
     def prompts_per_call(self, samples: int) -> int:
         """Prompts per generate call so that one call fills the backend's batch
@@ -271,12 +316,15 @@ class Session:
 
         return prompt_spec(self.config, role)
 
-    def params(self, seed: int, max_tokens: int | None = None):
+    def params(self, seed: int, max_tokens: int | None = None, *, logprobs: bool = False,
+               top_p: float | None = None):
+        """Sampling parameters of ``generation``; ``logprobs`` for generations that are trained
+        on (the behaviour policy's per-token log-probabilities, the update's importance ratio)."""
         from sptool.models.base import SamplingParams
 
         g = self.settings.generation
-        return SamplingParams(temperature=g.temperature, top_p=g.top_p,
-                              max_new_tokens=max_tokens or g.max_tokens, seed=seed)
+        return SamplingParams(temperature=g.temperature, top_p=top_p or g.top_p,
+                              max_new_tokens=max_tokens or g.max_tokens, seed=seed, logprobs=logprobs)
 
     def eval_sets(self) -> list[tuple[str, list[dict]]]:
         """The held-out benchmarks of ``eval.benchmarks`` (read and checked once, at the start)."""
@@ -303,16 +351,25 @@ class Session:
 
     # -- step functions every recipe uses --------------------------------------------------------
 
-    def solve(self, samples: int, mode: str = "math", role: str = "solver") -> StepFunction:
-        """Sample ``samples`` solutions per record with ``role``'s current weights."""
+    def solve(self, samples: int, mode: str = "math", role: str = "solver", *, trained: bool = False,
+              top_p: float | None = None) -> StepFunction:
+        """Sample ``samples`` solutions per record with ``role``'s current weights (``trained``:
+        the samples are a training group, so they keep their sampling log-probabilities)."""
         def solve(ctx: StepContext, records: list[dict]) -> list[dict]:
-            from sptool.solve import SolveStage
-
-            stage = SolveStage(self.policy(role).backend, samples=samples, mode=mode,
-                               params=self.params(ctx.seed), batch_size=self.prompts_per_call(samples),
-                               prompt=self.prompt("validity" if mode == "validity" else "solve"))
-            return ctx.run_stage(stage, records)
+            return self.solve_records(ctx, records, samples, mode, role, trained=trained, top_p=top_p)
         return solve
+
+    def solve_records(self, ctx: StepContext, records: list[dict], samples: int, mode: str = "math",
+                      role: str = "solver", *, trained: bool = False, top_p: float | None = None,
+                      seed: int | None = None) -> list[dict]:
+        """:meth:`solve` over ``records`` now (``seed``: instead of the step's)."""
+        from sptool.solve import SolveStage
+
+        params = self.params(ctx.seed if seed is None else seed, logprobs=trained, top_p=top_p)
+        stage = SolveStage(self.policy(role).backend, samples=samples, mode=mode, params=params,
+                           batch_size=self.prompts_per_call(samples),
+                           prompt=self.prompt("validity" if mode == "validity" else "solve"))
+        return ctx.run_stage(stage, records)
 
     def verify(self, pseudo_label: bool) -> StepFunction:
         """Grade the samples: against the reference answer, or the majority (``pseudo_label``)."""
@@ -321,15 +378,23 @@ class Session:
         return verify
 
     def train(self, roles: list[str] | Callable[[], list[str]], updates: int = 1,
-              groups: Callable[[dict], bool] | None = None) -> StepFunction:
-        """``updates`` optimizer steps per role over its training groups (those passing
-        ``groups``); one checkpoint per role, the older ones pruned to ``run.keep``."""
+              groups: Callable[[dict], bool] | None = None, *, completions_per_update: int = 0,
+              checkpoints: str | None = None, restart: bool = False) -> StepFunction:
+        """Optimizer steps per role over its training groups (those passing ``groups``):
+        ``updates`` of them, or with ``completions_per_update`` as many as the completions fill
+        (WIST: a 512-sample training batch); one checkpoint per role (under ``ckpt/ROLE``, or
+        ``ckpt/{checkpoints}``), the older ones pruned to ``run.keep``. ``restart``: the role then
+        begins anew from this checkpoint (:meth:`restart`)."""
         def train(ctx: StepContext, records: list[dict]) -> list[dict]:
             chosen = [g for g in records if groups is None or groups(g)]
-            return self._train(ctx, chosen, roles() if callable(roles) else roles, updates)
+            return self._train(ctx, chosen, roles() if callable(roles) else roles, updates,
+                               completions_per_update=completions_per_update, checkpoints=checkpoints,
+                               restart=restart)
         return train
 
-    def _train(self, ctx: StepContext, groups: list[dict], roles: list[str], updates: int) -> list[dict]:
+    def _train(self, ctx: StepContext, groups: list[dict], roles: list[str], updates: int, *,
+               completions_per_update: int = 0, checkpoints: str | None = None,
+               restart: bool = False) -> list[dict]:
         """The updates, then the checkpoint when due (:func:`checkpoint_due`), written in the
         background. Replaying (resume), only the updates of the roles being replayed run."""
         from sptool.train.step import split_updates
@@ -345,67 +410,92 @@ class Session:
                           "skipped": "no training groups"}
                 out.append(record)
                 if (self.replaying is None and policy.has_unsaved_updates()
-                        and checkpoint_due(self.config, ctx.iteration)):
+                        and self._checkpoint_due(ctx.iteration)):
                     # the run's last iteration (or a due one) trained nothing: the updates since
                     # the last checkpoint are written now, not lost with the process
                     self._checkpoint(ctx, role, policy, policy.trainer, record)
                 continue
             trainer = policy.trainer
             policy.before_update()
-            per_update = max(1, math.ceil(len(mine) / updates))
+            if completions_per_update:
+                chunks = pack_completions(mine, completions_per_update)
+            else:
+                chunks = split_updates(mine, max(1, math.ceil(len(mine) / updates)))
             metrics: dict[str, Any] = {}
-            for chunk in split_updates(mine, per_update):
+            per_step = []
+            for chunk in chunks:
                 metrics = trainer.update(chunk)
+                per_step.append({key: metrics.get(key) for key in ("ratio_mean", "clip_fraction", "loss")})
                 ctx.advance()
-            record = {"role": role, "step": trainer.step, "groups": len(mine), "updates": updates,
-                      "checkpoint": None, "metrics": metrics}
+            record = {"role": role, "step": trainer.step, "groups": len(mine),
+                      "groups_with_signal": sum(1 for g in mine if any(a != 0 for a in g.get("advantages") or [])),
+                      "updates": len(per_step), "checkpoint": None, "metrics": metrics}
+            if len(per_step) > 1:
+                record["per_update"] = per_step
             out.append(record)
             if self.replaying is not None:  # resume: rewrite only a checkpoint the run recorded but lost
-                if self.replaying[role]:
-                    record["checkpoint"] = self.replaying[role]
-                    self._save(ctx, role, trainer, self.run_dir.path / self.replaying[role])
-                    policy.after_update(str(self.run_dir.path / self.replaying[role]))
+                recorded = self.replaying[role]
+                if recorded:
+                    record["checkpoint"] = recorded
+                    self._save(ctx, Path(recorded).parent.name, trainer, self.run_dir.path / recorded)
+                    policy.after_update(str(self.run_dir.path / recorded))
+                    if restart:
+                        record["restart"] = True
+                        self.restart(role, str(self.run_dir.path / recorded))
                 continue
             faults.kill_point(ctx.key, "train-done")
-            if not checkpoint_due(self.config, ctx.iteration):
+            if not (restart or self._checkpoint_due(ctx.iteration)):
                 record["deferred"] = True
                 continue
-            self._checkpoint(ctx, role, policy, trainer, record)
+            self._checkpoint(ctx, role, policy, trainer, record, name=checkpoints or role, restart=restart)
         return out
 
-    def _checkpoint(self, ctx: StepContext, role: str, policy: Policy, trainer, record: dict) -> None:
-        """Write ``role``'s checkpoint ``ckpt/ROLE/step-N`` (recorded in ``record``) and point its
-        generator at it."""
-        directory = self.run_dir.path / "ckpt" / role / f"step-{trainer.step:04d}"
+    def _checkpoint(self, ctx: StepContext, role: str, policy: Policy, trainer, record: dict,
+                    name: str | None = None, restart: bool = False) -> None:
+        """Write ``role``'s checkpoint ``ckpt/NAME/step-N`` (recorded in ``record``) and point its
+        generator at it (``restart``: the role starts over from it, as after R-Quest's init phase)."""
+        name = name or role
+        directory = self.run_dir.path / "ckpt" / name / f"step-{trainer.step:04d}"
         directory.parent.mkdir(parents=True, exist_ok=True)
         record["checkpoint"] = str(directory.relative_to(self.run_dir.path))
-        self._save(ctx, role, trainer, directory)
+        self._save(ctx, name, trainer, directory)
         policy.saved_step = trainer.step
         how = policy.after_update(str(directory))
         if how is not None:
             record["weights_update"] = how  # vllm/openai: "in-place" or "adapter" (or "restart")
+        if restart:
+            record["restart"] = True
+            self.restart(role, str(directory))
 
-    def _save(self, ctx: StepContext, role: str, trainer, directory) -> None:
-        """Write the checkpoint: in the background from a CPU copy when the generator shares the
-        weights (hf, scripted), else (and under a test's kill point) before going on."""
+    def _checkpoint_due(self, iteration: int) -> bool:
+        """:func:`checkpoint_due`; in a phase before the iterations (iteration 0) only the step
+        that ends it writes one (or every step, for a backend that reloads weights)."""
+        if iteration == 0:
+            return self.settings.model.backend in RELOADING_BACKENDS
+        return checkpoint_due(self.config, iteration)
+
+    def _save(self, ctx: StepContext, name: str, trainer, directory) -> None:
+        """Write the checkpoint (under ``ckpt/NAME``): in the background from a CPU copy when the
+        generator shares the weights (hf, scripted), else (and under a test's kill point) before
+        going on."""
         write = snapshot(trainer) if self.settings.model.backend not in RELOADING_BACKENDS else None
         if write is None or faults.kill_requested(ctx.key, "checkpoint"):
             self.writer.wait()
             with faults.checkpoint_kill_point(ctx.key):
                 trainer.save(directory)
-            self._prune(role)
+            self._prune(name)
             return
 
         def write_and_prune() -> None:
             write(directory)
-            self._prune(role)
+            self._prune(name)
 
         self.writer.submit(write_and_prune)
 
-    def _prune(self, role: str) -> None:
-        """Older checkpoints down to ``run.keep``, never one the manifest on disk still names
-        (those go once the manifest names a newer one: :meth:`RunDir.finish`)."""
-        self.run_dir.prune(role, self.settings.run.keep, complete=is_complete)
+    def _prune(self, name: str) -> None:
+        """Older checkpoints of ``ckpt/NAME`` down to ``run.keep``, never one the manifest on disk
+        still names (those go once the manifest names a newer one: :meth:`RunDir.finish`)."""
+        self.run_dir.prune(name, self.settings.run.keep, complete=is_complete)
 
     def evaluate(self, after_iteration: int) -> StepFunction:
         """Greedy accuracy, mean@k and pass@k of the current solver weights on each benchmark."""

@@ -124,8 +124,11 @@ def health_step(session: "Session", steps: list[Step]) -> Step:
         generated = by_kind.get("challenge", [])
         valid = [r for r in generated if r.get("valid") is not False]
         questions = [r.get("question") for r in valid]
+        # generated questions as graded by their vote (not the fresh rollouts of a solver step:
+        # those pool questions were counted when they were voted on)
         graded = [r.get("p_hat") for r in by_kind.get("verify", [])
-                  if r.get("samples") and r.get("mode") != "validity" and r.get("p_hat") is not None]
+                  if r.get("samples") and r.get("mode") != "validity" and r.get("p_hat") is not None
+                  and not r.get("pool")]
         within, earlier = H.duplicate_shares(questions, earlier_questions(session, ctx.iteration))
         probe = by_kind.get("probe", [])
         report = {
