@@ -20,6 +20,7 @@ Plots, one file each (only those the run has data for):
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,12 @@ def series(lines: list[dict]) -> dict[str, dict[str, dict[int, float]]]:
                     raw["rewards"][role][it].append(value)
         elif kind == "verify":
             if line.get("accuracy") is not None:
-                label = stage.split("-", 1)[1] if stage[:1] in "qs" and "-" in stage else stage
+                if re.match(r"s\d+-", stage):
+                    label = "solver rollouts (vs the pool's pseudo-label)"
+                elif re.match(r"init\d+-", stage):
+                    label = "validity initialisation (vs the labels)"
+                else:
+                    label = stage.split("-", 1)[1] if stage[:1] in "qs" and "-" in stage else stage
                 raw["accuracy"][label][it].append(line["accuracy"])
             if line.get("validity_pass_rate") is not None:
                 raw["validity"]["validity gate pass rate"][it].append(line["validity_pass_rate"])

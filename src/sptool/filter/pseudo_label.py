@@ -61,8 +61,8 @@ class RZeroOptions(PseudoLabelOptions):
 
 @dataclass
 class RQuestOptions(PseudoLabelOptions):
-    replay_share: float = setting(0.1, "share of the solver-side groups that are replayed validity "
-                                  "groups", "R-Quest §3 \"混入 solver 数据的 10%\"", minimum=0, below=1)
+    replay_share: float = setting(0.1, "share of the solver-side groups that are replayed validity-"
+                                  "initialisation groups (sptool run: in every solver update)", "R-Quest §3 \"混入 solver 数据的 10%\"", minimum=0, below=1)
 
 
 @dataclass

@@ -25,7 +25,8 @@ def train_default(name: str) -> Any:
 
 @dataclass
 class RunConfig:
-    iterations: int = setting(1, "outer iterations (WIST: training updates; R-Zero/R-Quest: rounds)",
+    iterations: int = setting(1, "outer iterations (WIST: rollouts; R-Zero/R-Quest: rounds, after R-Quest's "
+                              "validity initialisation as iteration 0)",
                               minimum=1)
     seed: int = setting(0, "run seed; each step's seed derives from (seed, iteration, step)")
     keep: int = setting(3, "checkpoints kept per role (0: all)", minimum=0)
@@ -45,8 +46,8 @@ class ModelConfig:
     questioner: str = setting("", "two-role recipes: the questioner's start (HF id, directory or "
                               "checkpoint); empty: model.policy",
                               "R-Quest §3.1: the questioner starts from the base model")
-    solver: str = setting("", "two-role recipes: the solver's start; empty: model.policy (R-Quest: an "
-                          "initialised solver here skips the validity initialisation)",
+    solver: str = setting("", "two-role recipes: the solver's start; empty: model.policy. R-Quest: a "
+                          "solver given here is taken as initialised (no validity initialisation)",
                           "R-Quest App. A.3: the initialised solver is the self-play solver's start")
     judge: str = setting("", "R-Quest's frozen novelty judge; empty: model.policy",
                          "R-Quest §3: judged by the frozen base model")

@@ -52,7 +52,7 @@ class Svs(Recipe):
         synthesis = self.synthesis_steps()
         return [
             Step("sample", self.sample),
-            Step("solve", s.solve(c.samples), inputs=["sample"]),
+            Step("solve", s.solve(c.samples, trained=True), inputs=["sample"]),
             Step("verify", s.verify(pseudo_label=False), inputs=["solve"]),
             *synthesis,
             Step("filter", self.filter(), inputs=["verify", *(["verify-variants"] if synthesis else [])]),
@@ -64,7 +64,7 @@ class Svs(Recipe):
         s, c = self.session, self.c
         return [
             Step("challenge", self.synthesize, inputs=["verify"]),
-            Step("solve-variants", s.solve(c.samples), inputs=["challenge"], only=is_parsed, kind="solve"),
+            Step("solve-variants", s.solve(c.samples, trained=True), inputs=["challenge"], only=is_parsed, kind="solve"),
             Step("verify-variants", s.verify(pseudo_label=False), inputs=["solve-variants"],
                  only=has_samples, kind="verify"),
         ]
@@ -101,7 +101,7 @@ class Svs(Recipe):
 
         c = self.c
         stage = SolutionChallengeStage(self.session.policy("policy").backend, candidates=c.variants,
-                                       params=self.session.params(ctx.seed), band=c.band,
+                                       params=self.session.params(ctx.seed, logprobs=True), band=c.band,
                                        strict_band=c.strict_band, max_solutions=c.max_solutions,
                                        batch_size=self.settings.generation.prompts_per_call,
                                        prompt=self.session.prompt("synthesis"))

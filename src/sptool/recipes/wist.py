@@ -1,12 +1,15 @@
 """WIST: web-grounded self-play over a domain tree (seed 000).
 
-Per iteration (one training update): Thompson-sample B paths in the domain tree and grow it
+Per iteration (one rollout): Thompson-sample B paths in the domain tree and grow it
 where a leaf is wide enough (``tree-expand``); search the web for each path's leaf and keep
 documents in per-leaf pools (``corpus-fetch``); the challenger writes G questions per document
 (``challenge``); the solver answers each K times and is graded against the challenger's answer
 (``solve``, ``verify``); the filter rewards the challenger by the Gaussian variance reward and
-trains the solver on one QA per document (role balancing); one update of the shared policy;
-finally the path posteriors are updated from the variances (``posterior-update``, Eq. 8-10).
+trains the solver on one QA per document (role balancing); the shared policy takes as many
+Dr. GRPO updates as the rollout's completions fill training batches of ``train_batch`` (512:
+128 paths × (8 + 8) completions = 4 updates), the later ones off-policy, corrected by the
+importance ratio against the completions' sampling log-probabilities; finally the path
+posteriors are updated from the variances (``posterior-update``, Eq. 8-10).
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ class WistConfig(WistOptions):
     docs_per_path: int = setting(1, "documents drawn per path from its leaf's pool", "WIST §3",
                                  minimum=1)
     candidates: int = setting(8, "challenger QA candidates per document G", "WIST App. D", minimum=1)
+    train_batch: int = setting(512, "completions per Dr. GRPO update: a rollout takes as many updates "
+                               "as its completions fill (128 paths × (8 + 8) = 2,048: 4), the later "
+                               "ones importance-weighted against the sampling log-probs",
+                               "WIST App. D \"Training batch size B_train 512\"", minimum=1)
     samples: int = setting(8, "solver samples per question K", "WIST App. D", minimum=1)
     tau_var: float = setting(T.DEFAULT_TAU_VAR, "learnability threshold τ_var of the posterior update",
                              "WIST Eq. 15, App. D")
@@ -87,10 +94,10 @@ class Wist(Recipe):
             Step("tree-expand", self.expand),
             Step("corpus-fetch", self.fetch, inputs=["tree-expand"]),
             Step("challenge", self.challenge, inputs=["corpus-fetch"]),
-            Step("solve", s.solve(c.samples), inputs=["challenge"]),
+            Step("solve", s.solve(c.samples, trained=True), inputs=["challenge"]),
             Step("verify", s.verify(pseudo_label=False), inputs=["solve"]),
             Step("filter", self.filter(), inputs=["verify"]),
-            Step("train", s.train(s.roles()), inputs=["filter"]),
+            Step("train", s.train(s.roles(), completions_per_update=c.train_batch), inputs=["filter"]),
             Step("posterior-update", self.update_posterior, inputs=["verify"]),
         ]
 
@@ -173,7 +180,7 @@ class Wist(Recipe):
         from sptool.challenge import DocumentChallengeStage
 
         stage = DocumentChallengeStage(self.session.policy("policy").backend, candidates=self.c.candidates,
-                                       params=self.session.params(ctx.seed),
+                                       params=self.session.params(ctx.seed, logprobs=True),
                                        batch_size=self.settings.generation.prompts_per_call,
                                        max_document_chars=self.c.max_document_chars,
                                        prompt=self.session.prompt("challenger"))

@@ -78,9 +78,16 @@ def solve_metrics(records: list[dict]) -> dict:
 
 
 def train_metrics(records: list[dict]) -> dict:
-    return {"roles": {r["role"]: {k: v for k, v in (r.get("metrics") or {}).items()
-                                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
-                      for r in records}}
+    """The last update's numbers per role, and how many of the step's groups had a non-zero
+    advantage (a learning signal)."""
+    roles = {}
+    for r in records:
+        numbers = {k: v for k, v in (r.get("metrics") or {}).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if r.get("groups_with_signal") is not None:
+            numbers["groups_with_signal"] = r["groups_with_signal"]
+        roles[r["role"]] = numbers
+    return {"roles": roles}
 
 
 def eval_metrics(records: list[dict]) -> dict:
