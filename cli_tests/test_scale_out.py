@@ -47,6 +47,27 @@ def step_records(run_dir: Path, key: str) -> list[dict]:
     return read_jsonl(text)
 
 
+LOGPROB_KEYS = ("logprobs", "old_logprobs")
+
+
+def without_logprobs(value):
+    """``value`` with the sampling log-probabilities left out (compared apart, within a tolerance)."""
+    if isinstance(value, dict):
+        return {k: without_logprobs(v) for k, v in value.items() if k not in LOGPROB_KEYS}
+    if isinstance(value, list):
+        return [without_logprobs(v) for v in value]
+    return value
+
+
+def logprob_values(value, inside: bool = False) -> list[float]:
+    """Every sampling log-probability in ``value``, in order."""
+    if isinstance(value, dict):
+        return [x for k, v in value.items() for x in logprob_values(v, inside or k in LOGPROB_KEYS)]
+    if isinstance(value, list):
+        return [x for v in value for x in logprob_values(v, inside)]
+    return [float(value)] if inside and isinstance(value, (int, float)) else []
+
+
 def weights(path: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -288,9 +309,10 @@ def test_two_processes_train_like_one(tmp_path):
     weights (within 1e-5) as one process."""
     launcher = shutil.which("accelerate") or str(Path(sys.executable).parent / "accelerate")
     # one question per generate call (4 samples fill the batch), so the solve steps have calls to split
+    # a checkpoint after each iteration: an iteration that trains is compared even when the other
+    # has no group in band
     options = ["run", "--recipe", "svs", "--tiny", "-n", "2", "--set", "train.learning_rate=1e-4",
-               "--set", "run.checkpoint_every=1",
-               "--set", "model.gen_batch_size=4", "-q"]
+               "--set", "model.gen_batch_size=4", "--set", "run.checkpoint_every=1", "-q"]
     single = run_sptool(*options, "--run-dir", str(tmp_path / "one"), timeout=1800)
     assert single.returncode == 0, single.stderr[-3000:]
     dual = subprocess.run([launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
@@ -304,11 +326,18 @@ def test_two_processes_train_like_one(tmp_path):
     assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
     hashes_one, hashes_two = step_hashes(one), step_hashes(two)
     assert hashes_two.keys() == hashes_one.keys()
-    assert [k for k in hashes_one if not k.endswith("-train") and hashes_one[k] != hashes_two[k]] == []
+    # same records; the sampling log-probs of trained generations (iteration 2 samples from weights
+    # equal within 1e-5) agree within a tolerance, not bit for bit
+    for key in (k for k in hashes_one if not k.endswith("-train") and hashes_one[k] != hashes_two[k]):
+        records_one, records_two = step_records(one, key), step_records(two, key)
+        assert without_logprobs(records_two) == without_logprobs(records_one), key
+        pairs = list(zip(logprob_values(records_one), logprob_values(records_two)))
+        assert pairs and max(abs(a - b) for a, b in pairs) < 1e-3, key
     trained = [(a, b) for a, b in zip(train_records(one), train_records(two)) if a.get("checkpoint")]
     assert trained, "no iteration trained: nothing was compared"
     for a, b in trained:
         assert a["metrics"]["world_size"] == 1 and b["metrics"]["world_size"] == 2
         assert b["metrics"]["loss"] == pytest.approx(a["metrics"]["loss"], rel=1e-4, abs=1e-7)
         wa, wb = weights(one / a["checkpoint"]), weights(two / b["checkpoint"])
+        assert wa.keys() == wb.keys()  # the background copy keeps tied tensors tied, as save does
         assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
