@@ -303,10 +303,12 @@ def test_server_lost_mid_run_is_one_line_and_resume_matches(server, full_run, tm
 
 # -- several training processes -----------------------------------------------------------------
 
-def test_two_processes_train_like_one(tmp_path):
+def test_two_processes_train_like_one(tmp_path, tiny_model_dir):
     """`accelerate launch` with two gloo processes: every rank trains on its share, generation
     calls are split over the ranks, rank 0 alone writes; same records and the same checkpoint
-    weights (within 1e-5) as one process."""
+    weights as one process, up to the summation order of the gradient all-reduce (the weights of
+    the two runs differ by under 1% of what the step moved them, and by under half an Adam step
+    in any single parameter)."""
     launcher = shutil.which("accelerate") or str(Path(sys.executable).parent / "accelerate")
     # one question per generate call (4 samples fill the batch), so the solve steps have calls to split
     # a checkpoint after each iteration: an iteration that trains is compared even when the other
@@ -335,9 +337,19 @@ def test_two_processes_train_like_one(tmp_path):
         assert pairs and max(abs(a - b) for a, b in pairs) < 1e-3, key
     trained = [(a, b) for a, b in zip(train_records(one), train_records(two)) if a.get("checkpoint")]
     assert trained, "no iteration trained: nothing was compared"
+    learning_rate = 1e-4
+    before = weights(Path(tiny_model_dir))  # the weights the first trained iteration started from
     for a, b in trained:
         assert a["metrics"]["world_size"] == 1 and b["metrics"]["world_size"] == 2
         assert b["metrics"]["loss"] == pytest.approx(a["metrics"]["loss"], rel=1e-4, abs=1e-7)
         wa, wb = weights(one / a["checkpoint"]), weights(two / b["checkpoint"])
         assert wa.keys() == wb.keys()  # the background copy keeps tied tensors tied, as save does
-        assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
+        # Adam moves a parameter by about the learning rate whatever its gradient, so a parameter
+        # whose gradient is near zero can differ by a fraction of a step between summation orders
+        # (1.7e-5 at lr 1e-4 here); a rank whose share is lost changes the whole update instead
+        # (measured: the runs are 1.4e-4 of the step's length apart)
+        assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < learning_rate / 2
+        moved = sum(float((wa[k].float() - before[k].float()).pow(2).sum()) for k in wa if k in before) ** 0.5
+        apart = sum(float((wa[k].float() - wb[k].float()).pow(2).sum()) for k in wa) ** 0.5
+        assert moved > 0 and apart < 0.01 * moved, (apart, moved)
+        before = wa
