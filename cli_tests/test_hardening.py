@@ -588,6 +588,39 @@ def test_a_full_disk_is_one_line_exit_1_and_leaves_nothing_behind(tmp_path):
         subprocess.run(["umount", str(mount)], capture_output=True)
 
 
+def test_a_full_disk_at_checkpoint_save_is_an_enospc_error_not_a_writer_traceback(tmp_path):
+    """torch.save and safetensors do not raise OSError on a full disk (torch: "unexpected pos …",
+    safetensors: an I/O error of its Rust writer); a checkpoint save turns both into ENOSPC, so
+    the CLI prints its one line, and leaves no staging directory behind (found when a run filled
+    this machine's disk)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sptool.cli.main import describe_os_error
+    from sptool.train.checkpoint import save_checkpoint
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (not root)")
+    big = {"w": torch.zeros(1 << 18)}  # 1 MiB
+    try:
+        writers = {"safetensors": lambda target: save_file(big, f"{target}/model.safetensors"),
+                   "torch.save": lambda target: None}
+        for name, save_model in writers.items():
+            optimizer = big if name == "torch.save" else None
+            with pytest.raises(OSError) as caught:
+                save_checkpoint(mount / "step-0001", save_model=save_model, optimizer_state=optimizer,
+                                state={"step": 1})
+            line = describe_os_error(caught.value)
+            assert "No space left on device" in line and "disk is full" in line, (name, line)
+            assert str(mount / "step-0001") in line
+            assert list(mount.iterdir()) == [], name  # the staging directory is gone
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
 def _slow_verify(tmp_path, out):
     record = {"question": "q", "answer": "2", "samples": [{"text": SLOW_SAMPLE + str(i)} for i in range(40)]}
     source = write_jsonl(tmp_path / "slow.jsonl", [SOLVED] * 3 + [record])

@@ -19,6 +19,7 @@ into place at the end. A crash while saving leaves the input checkpoint untouche
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -107,10 +108,30 @@ def save_checkpoint(output: str | os.PathLike, *, save_model: Callable[[str], No
             shutil.rmtree(retired, ignore_errors=True)
         else:
             os.replace(staging, output)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
+        disk_full = _disk_full(error, output)
+        if disk_full is not None:
+            raise disk_full from None
         raise
     return output
+
+
+# How a full disk shows up from writers that do not raise OSError: torch.save's zip writer
+# ("unexpected pos N vs M", "file write failed") and safetensors' Rust writer (os error 28).
+_DISK_FULL_MARKERS = ("No space left on device", "StorageFull", "os error 28", "unexpected pos",
+                      "file write failed")
+
+
+def _disk_full(error: BaseException, output: Path) -> OSError | None:
+    """The ENOSPC ``OSError`` (one line and exit 1 at the CLI) for a checkpoint writer's
+    full-disk failure that is not an ``OSError`` itself; None for anything else."""
+    if isinstance(error, OSError) or not isinstance(error, Exception):
+        return None
+    if not any(marker in str(error) for marker in _DISK_FULL_MARKERS):
+        return None
+    return OSError(errno.ENOSPC, f"No space left on device (writing the checkpoint: "
+                                 f"{type(error).__name__})", str(output))
 
 
 def _fsync_tree(root: Path) -> None:
