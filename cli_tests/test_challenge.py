@@ -88,7 +88,7 @@ def test_check_challenger_output_options_and_defaults():
     ("<question>Find x if 2x = 10.</question>\n\\boxed{5}", ("Find x if 2x = 10.", "5", None)),
     ("<Question>\nFind x.\n</Question> so \\boxed{\\frac{1}{2}}", ("Find x.", "\\frac{1}{2}", None)),
     ("Find x if 2x = 10. \\boxed{5}", (None, "5", "no <question> tag")),
-    ("<question>Find x if 2x = 10.", (None, None, "no <question> tag")),
+    ("<question>Find x if 2x = 10.", (None, None, "unclosed <question> (no </question> within the token budget)")),
     ("<question>  </question> \\boxed{5}", (None, "5", "empty question")),
     ("<question>Find x if 2x = 10.</question> x is five", ("Find x if 2x = 10.", None, "no boxed answer")),
 ])

@@ -9,8 +9,8 @@ import pytest
 
 from conftest import FIXTURES, read_jsonl, write_jsonl
 from sptool.models.scripted import ScriptedBackend
-from sptool.novelty import (NoveltyStage, draw_comparison_partners, novelty_pass_probability,
-                            parse_same_task_verdict)
+from sptool.novelty import (LexicalJudge, NoveltyStage, draw_comparison_partners, masked_similarity,
+                            novelty_pass_probability, parse_same_task_verdict)
 
 BATCH = FIXTURES / "novelty_batch.jsonl"
 FAMILIES = {"nb-1": "rectangle", "nb-2": "rectangle", "nb-3": "books", "nb-4": "books"}
@@ -72,6 +72,32 @@ def test_scripted_judge_marks_paraphrases_not_novel():
     # every judgement greedy and batched: B·K prompts, B = 8 valid candidates, K = 7
     assert sum(len(call) for call in judge.calls) == 8 * 7
     assert all("nb-bad" not in c["id"] for r in out[:8] for c in r["novelty"]["compared"])
+
+
+def test_masked_similarity_by_hand():
+    # numbers masked: "tom has # apples." both ways, identical
+    assert masked_similarity("Tom has 3 apples.", "Tom  has 12 apples.") == 1.0
+    # "ab#" vs "ac#": Indel distance 2 (drop b, insert c) over 6 characters: 1 - 2/6
+    assert masked_similarity("ab1", "AC22") == pytest.approx(1 - 2 / 6)
+    assert masked_similarity("Each bag has 6 cookies. How many cookies are in 5 bags?",
+                             "What is the derivative of x^3 + 2x?") < 0.5
+
+
+def test_lexical_judge_marks_a_reused_template_not_novel():
+    """The lexical judge (a model too small to judge): a template re-asked with other numbers is
+    the same type; unrelated problems are not; every pair is still B·K judgements."""
+    records = [{"id": "t1", "question": "Tom has 3 apples and buys 5 more. How many apples does Tom have now?"},
+               {"id": "t2", "question": "Tom has 8 apples and buys 2 more. How many apples does Tom have now?"},
+               {"id": "u1", "question": "What is the derivative of x^3 + 2x?"},
+               {"id": "u2", "question": "A circle has radius 3. What is its area?"}]
+    out = {r["id"]: r["novelty"] for r in NoveltyStage(LexicalJudge(0.6), k=3, seed=0).run(iter(records))}
+    assert out["t1"]["novel"] is False and out["t2"]["novel"] is False
+    assert out["u1"]["novel"] is True and out["u2"]["novel"] is True
+    same = [c for c in out["t1"]["compared"] if c["verdict"] == "same"]
+    assert [c["id"] for c in same] == ["t2"] and same[0]["raw"] == "similarity 1.000"
+    assert out["t1"]["judge"] == "lexical" and all(len(n["compared"]) == 3 for n in out.values())
+    with pytest.raises(Exception, match="threshold"):
+        LexicalJudge(0.0)
 
 
 def test_cost_is_batch_times_k_and_seeded():

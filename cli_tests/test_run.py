@@ -506,6 +506,36 @@ def test_tiny_recipe_completes_with_the_real_model(recipe, tmp_path):
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["order"][-1].endswith("-health")
     assert manifest["order"][-2].endswith("train") or manifest["order"][-2].endswith("posterior-update")
+    # the algorithm did its job, not just finished: every role trained on at least one group
+    # with a learning signal (a non-zero advantage) in every iteration (R-Quest: also in the
+    # validity initialisation, iteration 0)
+    from sptool.report import load_metrics, outcome_counts, question_outcomes, training_signal
+
+    lines, _ = load_metrics(run_dir)
+    signal = training_signal(lines)
+    roles = {"rzero": {"questioner", "solver"}, "rquest": {"questioner", "solver"}}.get(recipe, {"policy"})
+    assert set(signal) == ({0, 1} if recipe == "rquest" else {1}), signal
+    for iteration, counts in signal.items():
+        assert set(counts) == ({"solver"} if iteration == 0 else roles), (iteration, counts)
+        assert all(count >= 1 for count in counts.values()), (iteration, counts)
+    report = run_sptool("report", str(run_dir), "-q", env=ENV, timeout=300)
+    assert report.returncode == 0, report.stderr
+    assert "training groups with a non-zero advantage, iteration 1" in report.stdout
+    if recipe in ("rzero", "rquest"):
+        # the questioner writes questions of the required shape, and they reach the gates
+        steps = question_outcomes(run_dir)
+        page = (run_dir / "report" / "questions.md").read_text()
+        assert all(row["question"][:40] in page for row in steps[0]["questions"][:6])
+        totals = {}
+        for step in steps:
+            for name, value in outcome_counts(step).items():
+                totals[name] = totals.get(name, 0) + value
+        assert totals["well-formed"] >= totals["proposed"] / 2, totals
+        if recipe == "rquest":  # each gate rejects some questions, and some pass both
+            assert totals["validity gate: rejected"] > 0 and totals["novelty gate: rejected"] > 0, totals
+            assert sum(outcome_counts(step)["kept"] for step in steps if "-q" in step["step"]) > 0, totals
+            assert "rejected: novelty gate" in page and "rejected: validity gate" in page
+            print(f"\nrquest --tiny gates: {totals}")
     print(f"\n{recipe} --tiny (1 iteration): {wall:.0f}s")
 
 

@@ -229,10 +229,12 @@ def parse_questioner_output(text: str) -> tuple[str | None, str | None, str | No
 
     Returns ``(question, answer, invalid_reason)``; the reason is None when both parts parse.
     The answer is the last ``\\boxed{}`` after the question block (else anywhere in the text).
-    An unclosed ``<question>`` counts as a missing tag.
+    An unclosed ``<question>`` (the token budget ran out inside it) is its own reason.
     """
     match = re.search(r"<question>(.*?)</question>", text, re.IGNORECASE | re.DOTALL)
     if not match:
+        if re.search(r"<question>", text, re.IGNORECASE):
+            return None, last_boxed(text), "unclosed <question> (no </question> within the token budget)"
         return None, last_boxed(text), "no <question> tag"
     question = match.group(1).strip()
     answer = last_boxed(text[match.end():]) or last_boxed(question)

@@ -11,6 +11,13 @@ This costs B·K judgements instead of the O(B²) of comparing all pairs; a type 
 share p of the batch passes with probability about (1 − p)^K (:func:`novelty_pass_probability`).
 Judgements use greedy decoding and are batched through the backend. A verdict that cannot be
 parsed counts as "not same" and is recorded as ``unparsed``.
+
+:class:`LexicalJudge` is a judge without a model, for models too small to judge (the 135M tiny
+model answers the same word for every pair: its YES−NO log-odds were 0.75–1.63 on same-type and
+on unrelated pairs alike): two problems are the same type when their texts, every number
+replaced by ``#``, are at least ``threshold`` alike (:func:`masked_similarity`). It catches a
+questioner that re-asks one template with new numbers, not a reworded one; the paper's gate is
+the model judge.
 """
 
 from __future__ import annotations
@@ -25,6 +32,44 @@ from sptool.records import Field, InputError, RecordKind, UsageError, content_id
 from sptool.stage import Stage
 
 SAME, DIFFERENT, UNPARSED = "same", "different", "unparsed"
+
+
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
+def masked_similarity(a: str, b: str) -> float:
+    """How alike two problems are once their numbers are masked: the normalised Indel similarity
+    ``1 − (insertions + deletions) / (len(a′) + len(b′))`` (rapidfuzz ``fuzz.ratio`` / 100) of
+    a′, b′ = the lower-cased texts with whitespace collapsed and every number replaced by ``#``.
+    1.0 for the same template with other numbers; unrelated short problems score about 0.3–0.5."""
+    from rapidfuzz import fuzz
+
+    def mask(text: str) -> str:
+        return _NUMBER.sub("#", " ".join(text.lower().split()))
+
+    return fuzz.ratio(mask(a), mask(b)) / 100.0
+
+
+class LexicalJudge:
+    """A same-task judge without a model: ``same`` when :func:`masked_similarity` ≥ ``threshold``;
+    the raw verdict records the similarity."""
+
+    model_id = "lexical"
+
+    def __init__(self, threshold: float = 0.6):
+        if not 0.0 < threshold <= 1.0:
+            raise UsageError(f"the lexical judge's similarity threshold must be in (0, 1], got {threshold}")
+        self.threshold = threshold
+
+    def judge(self, pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        out = []
+        for a, b in pairs:
+            similarity = masked_similarity(a, b)
+            out.append((SAME if similarity >= self.threshold else DIFFERENT, f"similarity {similarity:.3f}"))
+        return out
+
+    def close(self) -> None:
+        pass
 
 
 def novelty_pass_probability(same_type_share: float, k: int) -> float:
@@ -119,7 +164,7 @@ class NoveltyStage(Stage):
     name = "novelty"
     input_kind = CANDIDATE
 
-    def __init__(self, judge: Backend, *, k: int = 8, batch_size: int = 2048, seed: int = 0,
+    def __init__(self, judge: Backend | LexicalJudge, *, k: int = 8, batch_size: int = 2048, seed: int = 0,
                  max_new_tokens: int = 16, prompt: str | PromptSpec | None = None,
                  judge_batch_size: int = 256):
         super().__init__()
@@ -136,6 +181,16 @@ class NoveltyStage(Stage):
     def judge_prompt(self, a: dict, b: dict) -> list[dict[str, str]]:
         return self.prompt.messages(a, problem_a=a["question"], problem_b=b["question"])
 
+    def model_verdicts(self, candidates: list[dict], pairs: list[tuple[int, int]]) -> list[tuple[str, str]]:
+        """(verdict, raw reply) of the judge model for every pair, batched, greedy."""
+        verdicts: list[tuple[str, str]] = []
+        for chunk in iter_chunks(pairs, self.judge_batch_size):
+            prompts = [self.judge_prompt(candidates[i], candidates[j]) for i, j in chunk]
+            for samples in self.judge.generate(prompts, 1, self.params):
+                raw = samples[0].text
+                verdicts.append((parse_same_task_verdict(raw), raw))
+        return verdicts
+
     def process(self, records: Iterator[dict]) -> Iterator[dict]:
         for batch_number, batch in enumerate(iter_chunks(records, self.batch_size)):
             candidates = [record for record in batch if record.get("valid") is not False]
@@ -144,12 +199,11 @@ class NoveltyStage(Stage):
             rng = random.Random(content_id("novelty", self.seed, batch_number))
             partners = draw_comparison_partners(len(candidates), self.k, rng)
             pairs = [(i, j) for i, others in enumerate(partners) for j in others]
-            verdicts: list[tuple[str, str]] = []
-            for chunk in iter_chunks(pairs, self.judge_batch_size):
-                prompts = [self.judge_prompt(candidates[i], candidates[j]) for i, j in chunk]
-                for samples in self.judge.generate(prompts, 1, self.params):
-                    raw = samples[0].text
-                    verdicts.append((parse_same_task_verdict(raw), raw))
+            if isinstance(self.judge, LexicalJudge):
+                verdicts = self.judge.judge([(candidates[i]["question"], candidates[j]["question"])
+                                             for i, j in pairs])
+            else:
+                verdicts = self.model_verdicts(candidates, pairs)
             compared: list[list[dict]] = [[] for _ in candidates]
             for (i, j), (verdict, raw) in zip(pairs, verdicts):
                 compared[i].append({"id": candidates[j]["id"], "verdict": verdict, "raw": raw})

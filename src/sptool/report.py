@@ -15,6 +15,11 @@ Plots, one file each (only those the run has data for):
   at 1 or 0);
 - ``heldout.png``: greedy accuracy, mean@k and pass@k on the ``--eval`` benchmarks, before training
   (iteration 0) and after the evaluated iterations.
+
+And ``questions.md``: per iteration and challenge step, example generated questions, kept and
+rejected with the reason (malformed, the validity gate, the novelty gate, outside the solver
+pool), the gates' counts and the training groups with a learning signal per role
+(:func:`question_outcomes`); the text summary ends with the same counts.
 """
 
 from __future__ import annotations
@@ -164,6 +169,20 @@ def write_plots(run_dir: str | Path, out_dir: str | Path | None = None) -> list[
     return written
 
 
+def training_signal(lines: list[dict]) -> dict[int, dict[str, int]]:
+    """Per iteration and role: the training groups with a non-zero advantage (the ones that
+    move the weights) over the iteration's train stages."""
+    out: dict[int, dict[str, int]] = {}
+    for line in lines:
+        if line.get("kind") != "train":
+            continue
+        for role, metrics in (line.get("roles") or {}).items():
+            if metrics.get("groups_with_signal") is not None:
+                roles = out.setdefault(line["iteration"], {})
+                roles[role] = roles.get(role, 0) + int(metrics["groups_with_signal"])
+    return out
+
+
 def _fmt(value: Any) -> str:
     return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
@@ -197,4 +216,160 @@ def summary_text(run_dir: str | Path) -> str:
             if xs:
                 out.append(f"{plot}: {label}: {_fmt(points[xs[0]])} (iter {xs[0]}) -> "
                            f"{_fmt(points[xs[-1]])} (iter {xs[-1]})")
+    for iteration, roles in training_signal(lines).items():
+        out.append(f"training groups with a non-zero advantage, iteration {iteration}: "
+                   + ", ".join(f"{role} {count}" for role, count in sorted(roles.items())))
+    for step in question_outcomes(run_dir):
+        counts = ", ".join(f"{name} {value}" for name, value in outcome_counts(step).items())
+        groups = ", ".join(f"{role} {signal}/{total}" for role, (signal, total) in sorted(step["groups"].items()))
+        out.append(f"questions: {step['step']}: {counts}"
+                   + (f"; groups with a non-zero advantage: {groups}" if groups else ""))
     return "\n".join(out)
+
+
+# -- what the questioner wrote ------------------------------------------------------------------
+
+def _step_records(run_dir: Path, entry: dict) -> list[dict]:
+    from sptool.jsonl import read_records
+
+    path = run_dir / entry["output"]
+    return list(read_records(path)) if path.is_file() else []
+
+
+def _gate_outcome(record: dict, pool: set[str] | None, questions: dict[str, str]) -> str | None:
+    """Why a generated question was rejected, or None when it was kept."""
+    if record.get("valid") is False:
+        return f"malformed ({record.get('invalid_reason') or 'no question'})"
+    validity = (record.get("verdicts") or {}).get("validity")
+    if validity and (validity.get("invalid_frac") or 0) > 0.5:
+        return (f"validity gate: {validity['invalid_frac']:.0%} of the solver's validity answers "
+                f"were INVALID")
+    novelty = record.get("novelty") or {}
+    if novelty.get("novel") is False:
+        same = [entry for entry in novelty.get("compared", []) if entry.get("verdict") == "same"]
+        partner = questions.get(same[0]["id"], "?") if same else "?"
+        return f"novelty gate: the same type as \"{_shorten(partner, 90)}\" ({same[0]['raw'] if same else ''})"
+    if pool is not None and record.get("id") not in pool:
+        return "not in the solver pool (agreement outside the band, or no majority)"
+    return None
+
+
+def _shorten(text: str, width: int) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def question_outcomes(run_dir: str | Path) -> list[dict]:
+    """Per challenge step of the run: the generated questions with what became of them.
+
+    Each entry: ``{iteration, step, questions: [{question, answer, kept, reason, s, majority,
+    reward}], pool, groups: {role: [trained groups with a non-zero advantage, trained groups]}}``. A question's record is followed through
+    the steps after its challenge step (every step passes all records on, adding its verdicts)
+    up to the next challenge step; the filter's groups give the questioner's reward per question,
+    the train step the roles it trained and how many of their groups carry a learning signal.
+    """
+    run_dir = Path(run_dir)
+    _, manifest = load_metrics(run_dir)
+    stages, order = manifest.get("stages", {}), manifest.get("order", [])
+    out: list[dict] = []
+    current: dict | None = None
+    for key in order:
+        entry = stages.get(key)
+        if entry is None:
+            continue
+        iteration = int(key.split("/", 1)[0].split("-")[-1]) if key.startswith("iter-") else 0
+        kind = entry.get("kind")
+        if kind == "challenge":
+            records = _step_records(run_dir, entry)
+            current = {"iteration": iteration, "step": key, "latest": {r.get("id"): r for r in records},
+                       "order": [r.get("id") for r in records], "pool": None, "rewards": {},
+                       "groups": {}}
+            out.append(current)
+            continue
+        if current is None or current["iteration"] != iteration:
+            continue
+        records = _step_records(run_dir, entry)
+        if kind == "train":  # the roles it trained, and how many of their groups carry a signal
+            for record in records:
+                if record.get("groups_with_signal") is not None:
+                    counts = current["groups"].setdefault(record.get("role", "?"), [0, 0])
+                    counts[0] += record["groups_with_signal"]
+                    counts[1] += record.get("groups") or 0
+            continue
+        if kind == "pool":
+            current["pool"] = {r.get("id") for r in records}
+            current = None  # later steps sample from the pool: rollouts, not these questions
+            continue
+        if kind == "filter":  # the questioner's reward per question
+            for group in records:
+                if group.get("role") != "solver":
+                    for source, reward in zip(group.get("source_ids") or [], group.get("rewards") or []):
+                        current["rewards"][source] = reward
+            continue
+        for record in records:
+            if record.get("id") in current["latest"]:
+                current["latest"][record["id"]] = record
+    for step in out:
+        latest = step.pop("latest")
+        ids = step.pop("order")
+        questions = {i: (r.get("question") or "") for i, r in latest.items()}
+        rows = []
+        for i in ids:
+            record = latest[i]
+            reason = _gate_outcome(record, step["pool"], questions)
+            verdict = (record.get("verdicts") or {}).get("math") or record
+            rows.append({"question": record.get("question") or record.get("raw") or "",
+                         "answer": record.get("questioner_answer") or record.get("answer"),
+                         "kept": reason is None, "reason": reason,
+                         "s": verdict.get("majority_frac"), "majority": verdict.get("majority"),
+                         "reward": step["rewards"].get(i)})
+        step["questions"] = rows
+        del step["rewards"]
+    return out
+
+
+def outcome_counts(step: dict) -> dict[str, int]:
+    """Counts of one challenge step: proposed, well-formed, and passed/rejected per gate."""
+    counts = {"proposed": len(step["questions"])}
+    reasons = [row["reason"] or "" for row in step["questions"]]
+    counts["well-formed"] = sum(not r.startswith("malformed") for r in reasons)
+    for gate in ("validity gate", "novelty gate", "not in the solver pool"):
+        counts[f"{gate}: rejected"] = sum(r.startswith(gate) for r in reasons)
+    counts["kept"] = sum(row["kept"] for row in step["questions"])
+    return counts
+
+
+def write_question_page(run_dir: str | Path, out_dir: str | Path | None = None,
+                        per_step: int = 12) -> Path | None:
+    """``questions.md``: per iteration and challenge step, example questions kept and rejected
+    (with the reason), the gates' counts and the training groups with a learning signal."""
+    steps = question_outcomes(run_dir)
+    if not steps:
+        return None
+    out = Path(out_dir) if out_dir else Path(run_dir) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# Generated questions: {run_dir}", ""]
+    for step in steps:
+        counts = outcome_counts(step)
+        lines += [f"## iteration {step['iteration']}, {step['step'].split('/', 1)[-1]}", "",
+                  ", ".join(f"{name} {value}" for name, value in counts.items()), ""]
+        if step["groups"]:
+            lines += ["training groups with a non-zero advantage: " + ", ".join(
+                f"{role} {signal}/{total}" for role, (signal, total) in sorted(step["groups"].items())), ""]
+        kept = [row for row in step["questions"] if row["kept"]]
+        rejected = [row for row in step["questions"] if not row["kept"]]
+        half = max(1, per_step // 2)
+        shown = kept[:max(half, per_step - len(rejected))] + rejected[:max(half, per_step - len(kept))]
+        for row in shown:
+            detail = [f"answer {row['answer']}" if row["answer"] is not None else "",
+                      f"solver majority {row['majority']} (s = {row['s']:.2f})" if row["s"] is not None else "",
+                      f"questioner reward {row['reward']:.3f}" if row["reward"] is not None else ""]
+            status = "kept" if row["kept"] else f"rejected: {row['reason']}"
+            lines.append(f"- **{status}**: {_shorten(row['question'], 200)}"
+                         + "".join(f"; {d}" for d in detail if d))
+        if len(shown) < len(step["questions"]):
+            lines.append(f"- … {len(step['questions']) - len(shown)} more in {step['step']}.jsonl")
+        lines.append("")
+    path = out / "questions.md"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path

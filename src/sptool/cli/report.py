@@ -19,13 +19,15 @@ def report(
     no_plots: bool = typer.Option(False, "--no-plots", help="Only the text summary."),
     quiet: bool = common.QuietOpt,
 ) -> None:
-    """Write PNG plots (rewards, accuracy, validity/novelty, diversity, WIST tree posteriors) and
+    """Write PNG plots (rewards, accuracy, validity/novelty, diversity, WIST tree posteriors), a
+    page of example generated questions (questions.md: kept and rejected, with the reason) and
     print a text summary on stdout."""
-    from sptool.report import summary_text, write_plots
+    from sptool.report import summary_text, write_plots, write_question_page
 
     text = summary_text(run_dir)
     if not no_plots:
-        for path in write_plots(run_dir, output):
+        page = write_question_page(run_dir, output)
+        for path in [*write_plots(run_dir, output), *([page] if page else [])]:
             if not quiet:
                 common.err_console.print(f"report: wrote {path}", markup=False)
     typer.echo(text)

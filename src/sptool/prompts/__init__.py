@@ -77,8 +77,8 @@ PACKAGED: dict[str, dict[str, Packaged]] = {
     "validity": {
         "validity": Packaged("solve_validity.txt", "reason step by step, \\boxed{answer} or "
                              "\\boxed{INVALID} for a flawed problem"),
-        "direct": Packaged("solve_validity_direct.txt", "the final answer or INVALID only (three examples, "
-                           "one flawed): the reply starts with \\boxed{ and ends at }", prefix="\\boxed{",
+        "direct": Packaged("solve_validity_direct.txt", "the final answer or INVALID only (four examples, "
+                           "two flawed): the reply starts with \\boxed{ and ends at }", prefix="\\boxed{",
                            stop=("}",)),
     },
     "questioner": {

@@ -81,6 +81,13 @@ class RQuestConfig(RQuestOptions, RoundConfig):
                              "R-Quest §3 \"默认 K=8\"", minimum=1)
     novelty_max_tokens: int = setting(16, "new tokens per novelty verdict (Yes/No)",
                                       "not stated in R-Quest", minimum=1)
+    novelty_judge: str = setting("model", "who judges same-task pairs: the frozen base model "
+                                 "(model.judge), or 'lexical': number-masked text similarity of at "
+                                 "least novelty_similarity, for models too small to judge",
+                                 "R-Quest §3 (the model judge); lexical is sptool's", choices=("model", "lexical"))
+    novelty_similarity: float = setting(0.6, "the lexical judge's threshold (1.0: the same template "
+                                        "with other numbers; unrelated short problems score 0.3-0.5)",
+                                        "sptool's choice", above=0, maximum=1)
     init_data: str = setting("fixtures/validity_init.jsonl", "the labelled validity-initialisation "
                              "set (answer INVALID for a flawed problem), trained on first and replayed "
                              "in every solver update; sptool ships a 12-problem sample",
@@ -207,9 +214,11 @@ class RZero(Recipe):
         return challenge
 
     def judge_novelty(self, ctx: StepContext, records: list[dict]) -> list[dict]:
-        from sptool.novelty import NoveltyStage
+        from sptool.novelty import LexicalJudge, NoveltyStage
 
-        stage = NoveltyStage(self.session.judge, k=self.c.novelty_k, seed=ctx.seed,
+        judge = (LexicalJudge(self.c.novelty_similarity) if self.c.novelty_judge == "lexical"
+                 else self.session.judge)
+        stage = NoveltyStage(judge, k=self.c.novelty_k, seed=ctx.seed,
                              max_new_tokens=self.c.novelty_max_tokens, prompt=self.session.prompt("novelty"))
         return ctx.run_stage(stage, records)
 
