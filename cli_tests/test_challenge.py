@@ -113,6 +113,30 @@ DOC_QA = json.dumps({"question": "According to the text, what is the sum of 1/4 
                      "correct_answer": "5/12", "answer_type": "free_form"})
 
 
+def test_documents_mode_tagged_reply_in_two_phases():
+    """The ``documents-short`` challenger (small models): the reply starts inside <question>,
+    stops at the question, is continued with </question> \\boxed{ for the answer; Γ judges it as
+    a free-form QA."""
+    from sptool.prompts import load_prompt
+
+    documents = read_jsonl(DOCUMENTS)[:1]
+
+    def responder(prompt_text: str, index: int) -> str:
+        if prompt_text.rstrip().endswith("\\boxed{"):          # the answer phase
+            return "12}"
+        return ["How many sides do 2 hexagons have?", ""][index]
+
+    backend = ScriptedBackend(responder=responder)
+    stage = DocumentChallengeStage(backend, candidates=2, prompt=load_prompt("challenger", "documents-short"),
+                                   params=SamplingParams(max_new_tokens=64))
+    good, empty = list(stage.run(iter(documents)))
+    assert good["raw"] == "<question>How many sides do 2 hexagons have?</question>\n\\boxed{12}"
+    assert good["valid"] is True and good["question"] == "How many sides do 2 hexagons have?"
+    assert good["answer"] == "12" and good["answer_type"] == "free_form"
+    assert empty["valid"] is False and empty["invalid_reason"] == "empty question"
+    assert [len(call) for call in backend.calls] == [1, 2]   # the question phase, then both answers
+
+
 def test_documents_mode_keeps_all_candidates_with_lineage():
     documents = read_jsonl(DOCUMENTS)
     backend = ScriptedBackend(outputs=[GOOD_QA, "I don't know", DOC_QA])

@@ -618,7 +618,7 @@ def test_a_full_disk_at_checkpoint_save_is_an_enospc_error_not_a_writer_tracebac
             assert str(mount / "step-0001") in line
             assert list(mount.iterdir()) == [], name  # the staging directory is gone
     finally:
-        subprocess.run(["umount", str(mount)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 def _slow_verify(tmp_path, out):

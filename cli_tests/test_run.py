@@ -126,12 +126,12 @@ def test_merge_order_set_beats_config_beats_tiny_beats_recipe(cli, tmp_path):
     from sptool.recipes import load_config
 
     assert load_config("rzero")["rzero"]["questions"] == 2048
-    assert load_config("rzero", tiny=True)["rzero"]["questions"] == 4
+    assert load_config("rzero", tiny=True)["rzero"]["questions"] == 8
     override = tmp_path / "over.toml"
-    override.write_text('[rzero]\nquestions = 6\nsamples = 5\n[generation]\ntemperature = 0.7\n')
+    override.write_text('[rzero]\nquestions = 6\nsamples = 7\n[generation]\ntemperature = 0.7\n')
     config = load_config("rzero", tiny=True, config_file=str(override), sets=["questions=9"])
     assert config["rzero"]["questions"] == 9          # --set wins
-    assert config["rzero"]["samples"] == 5            # --config beats [tiny] (3)
+    assert config["rzero"]["samples"] == 7            # --config beats [tiny] (5)
     assert config["generation"]["temperature"] == 0.7
     assert config["generation"]["max_tokens"] == 48   # [tiny] beats the default 512
     assert config["train"]["learning_rate"] == 1e-6   # recipe file
@@ -388,7 +388,7 @@ def test_resume_refuses_changed_configuration(tmp_path, random_policy):
     config = load_config("rzero", tiny=True)
     driver = RunDriver(config, run_dir)
     driver._prepare_dir()
-    changed = load_config("rzero", tiny=True, sets=["samples=5"])
+    changed = load_config("rzero", tiny=True, sets=["samples=6"])
     from sptool.records import UsageError
 
     with pytest.raises(UsageError, match="rzero.samples"):

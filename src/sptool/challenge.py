@@ -221,6 +221,20 @@ def check_challenger_output(text: str) -> dict[str, Any]:
             "valid": valid, "invalid_reason": reason}
 
 
+def check_tagged_challenger_output(text: str) -> dict[str, Any]:
+    """A Challenger completion in the questioner's tagged format (``<question>…</question>``
+    then ``\\boxed{answer}``, the packaged ``documents-short`` prompt) → the same fields as
+    :func:`check_challenger_output`, validated by Γ as a free-form answer."""
+    question, answer, reason = parse_questioner_output(text)
+    if reason is None:
+        valid, reason = gamma_validate(question, answer, "free_form")
+    else:
+        valid = False
+    return {"question": question.strip() if isinstance(question, str) else None,
+            "answer": answer_text(answer) if isinstance(answer, str) else None,
+            "answer_type": "free_form", "valid": valid, "invalid_reason": reason}
+
+
 _QUESTION_TAG = re.compile(r"<question>(.*?)(?:</question>|$)", re.IGNORECASE | re.DOTALL)
 
 
@@ -314,6 +328,25 @@ class _GeneratingStage(Stage):
     def close(self) -> None:
         self.backend.close()
 
+    def _answer_phase(self, prompt: list[dict[str, str]], samples: list[Sample]) -> list[Sample]:
+        """Continue every question that stopped with ``answer_prefix`` and generate its answer."""
+        spec = self.prompt
+        todo = [index for index, sample in enumerate(samples) if sample.finish_reason == "stop"]
+        if not todo:
+            return samples
+        user = [message for message in prompt if message.get("role") != "assistant"]
+        continued = [user + [{"role": "assistant", "content": continue_reply(samples[i].text, spec.answer_prefix)}]
+                     for i in todo]
+        params = dataclasses.replace(self.params, stop=tuple(spec.answer_stop),
+                                     max_new_tokens=spec.answer_max_tokens, logprobs=False)
+        answers = self._generate(continued, 1, params)
+        merged = list(samples)
+        for index, outputs in zip(todo, answers):
+            first, second = samples[index], outputs[0]
+            merged[index] = Sample(text=second.text, n_tokens=first.n_tokens + second.n_tokens,
+                                   finish_reason=second.finish_reason, stop_string=second.stop_string)
+        return merged
+
 
 # ---------------------------------------------------------------- --from documents (WIST/SPICE)
 
@@ -345,13 +378,16 @@ class DocumentChallengeStage(_GeneratingStage):
         for batch in iter_chunks(records, self.batch_size):
             prompts = [self.prompt_for(document) for document in batch]
             outputs = self._generate(prompts, self.candidates)
+            if self.prompt.answer_prefix:  # a tagged, two-phase reply (small models)
+                outputs = [self._answer_phase(prompt, samples) for prompt, samples in zip(prompts, outputs)]
             for document, prompt, samples in zip(batch, prompts, outputs):
                 doc_id = ensure_id(document, document.get("url"), document["text"])
                 group_id = content_id("challenger", doc_id, self.params.seed)
                 for index, sample in enumerate(samples):
                     record = {"id": content_id(group_id, index, sample.text), "origin": "challenger",
                               "group_id": group_id, "candidate_index": index,
-                              **check_challenger_output(sample.text),
+                              **(check_tagged_challenger_output(sample.text) if self.prompt.answer_prefix
+                                 else check_challenger_output(sample.text)),
                               **_sample_fields(sample), "challenger_prompt": prompt,
                               "doc_id": doc_id, "path_id": document.get("path_id"),
                               "leaf": document.get("leaf"), "generator_model": self.model_id}
@@ -450,25 +486,6 @@ class NothingChallengeStage(_GeneratingStage):
                     yield record
                 remaining -= size
                 chunk += 1
-
-    def _answer_phase(self, prompt: list[dict[str, str]], samples: list[Sample]) -> list[Sample]:
-        """Continue every question that stopped with ``answer_prefix`` and generate its answer."""
-        spec = self.prompt
-        todo = [index for index, sample in enumerate(samples) if sample.finish_reason == "stop"]
-        if not todo:
-            return samples
-        user = [message for message in prompt if message.get("role") != "assistant"]
-        continued = [user + [{"role": "assistant", "content": continue_reply(samples[i].text, spec.answer_prefix)}]
-                     for i in todo]
-        params = dataclasses.replace(self.params, stop=tuple(spec.answer_stop),
-                                     max_new_tokens=spec.answer_max_tokens, logprobs=False)
-        answers = self._generate(continued, 1, params)
-        merged = list(samples)
-        for index, outputs in zip(todo, answers):
-            first, second = samples[index], outputs[0]
-            merged[index] = Sample(text=second.text, n_tokens=first.n_tokens + second.n_tokens,
-                                   finish_reason=second.finish_reason, stop_string=second.stop_string)
-        return merged
 
 
 # ---------------------------------------------------------------- --from solutions (SvS)

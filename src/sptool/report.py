@@ -306,9 +306,9 @@ def question_outcomes(run_dir: str | Path) -> list[dict]:
                     for source, reward in zip(group.get("source_ids") or [], group.get("rewards") or []):
                         current["rewards"][source] = reward
             continue
-        for record in records:
+        for record in records:  # later steps add fields (verdicts, novelty, WIST's g)
             if record.get("id") in current["latest"]:
-                current["latest"][record["id"]] = record
+                current["latest"][record["id"]] = {**current["latest"][record["id"]], **record}
     for step in out:
         latest = step.pop("latest")
         ids = step.pop("order")

@@ -93,6 +93,12 @@ PACKAGED: dict[str, dict[str, Packaged]] = {
     },
     "challenger": {
         "documents": Packaged("challenge_documents.txt", "one QA pair about a document, as JSON (WIST)"),
+        "documents-short": Packaged("challenge_documents_short.txt", "one short question about a document "
+                                    "(one example); the reply starts inside <question>, stops at the "
+                                    "question, then continues with </question> \\boxed{ for the answer "
+                                    "(small models)", prefix="<question>", stop=("?", "</question>"),
+                                    answer_prefix="</question>\n\\boxed{", answer_stop=("}",),
+                                    answer_max_tokens=12),
     },
     "synthesis": {
         "solutions": Packaged("challenge_solutions.txt", "a variant problem with the same answer in "
