@@ -27,7 +27,8 @@ def list_recipes() -> None:
 def show(
     name: str = typer.Argument(..., help="wist, svs, rzero or rquest."),
     tiny: bool = typer.Option(False, "--tiny", help="Apply the recipe's tiny preset."),
-    config_file: Optional[str] = typer.Option(None, "--config", help="TOML file overriding the recipe."),
+    config_file: Optional[str] = typer.Option(None, "--config", envvar="SPTOOL_CONFIG",
+                                              help="TOML file overriding the recipe."),
     sets: List[str] = typer.Option([], "--set", help="Override one key (KEY=VALUE, repeatable)."),
     fmt: str = typer.Option("toml", "--format", "-f", help="toml or json."),
     source: bool = typer.Option(False, "--source", help="Print the packaged recipe file (with its comments citing the paper)."),

@@ -96,7 +96,8 @@ def run(
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run directory (default runs/<recipe>-<timestamp>)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from its last finished stage."),
     tiny: bool = typer.Option(False, "--tiny", help="The recipe's tiny preset: minutes on a laptop CPU."),
-    config_file: Optional[str] = typer.Option(None, "--config", help="TOML file overriding the recipe."),
+    config_file: Optional[str] = typer.Option(None, "--config", envvar="SPTOOL_CONFIG",
+                                              help="TOML file overriding the recipe."),
     sets: List[str] = typer.Option([], "--set", help="Override one key, e.g. --set wist.paths=4 "
                                    "(repeatable; a bare key means the recipe's own or a shared one)."),
     iterations: Optional[int] = typer.Option(None, "--iterations", "-n", help="Shortcut for --set run.iterations=N."),

@@ -88,7 +88,9 @@ class HFBackend:
             else:
                 model_obj = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         except OSError as exc:
-            raise RuntimeFailure(f"cannot load model '{model}': {str(exc).splitlines()[0]}") from None
+            from sptool.models.resolve import load_failure
+
+            raise load_failure(model, exc) from None
         self._attach(model_obj.to(device).eval(), tokenizer, model_id=model, path=path, device=device,
                      batch_size=batch_size, chat_template=chat_template)
         # Faster decoding on GPU: a static (pre-allocated) KV cache, which transformers' generate

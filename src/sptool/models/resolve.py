@@ -118,3 +118,13 @@ def resolve_model(model: str, *, log=None) -> str:
     if looks_local:
         raise RuntimeFailure(f"model directory {model} does not exist")
     return model  # a hub id: transformers resolves it (offline: from the local HF cache)
+
+
+def load_failure(model: str, exc: BaseException) -> RuntimeFailure:
+    """One line for a model that transformers could not load; a hub-id-looking name (``ckpt/step-1``)
+    that is no local directory says so first, not only that the hub was unreachable."""
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if model.lower() not in TINY_NAMES and not os.path.exists(model):
+        return RuntimeFailure(f"cannot load model '{model}': no such local directory, and as a Hugging Face "
+                              f"id: {reason}")
+    return RuntimeFailure(f"cannot load model '{model}': {reason}")

@@ -74,6 +74,9 @@ class ScriptedBackend:
         for pattern, output in self.rules:
             if pattern.search(text):
                 return output if isinstance(output, str) else output[sample_index % len(output)]
+        if not self.queue:
+            raise InputError(f"no rule matches the prompt and no plain output is queued (prompt starts "
+                             f"{text[:60]!r})", source=self.model_id)
         output = self.queue[self._position % len(self.queue)]
         self._position += 1
         return output

@@ -73,7 +73,11 @@ def check_output_path(output: str | os.PathLike) -> Path:
     if output.exists() and not is_checkpoint_dir(output):
         raise UsageError(f"--output {output} exists and is not a model checkpoint; choose a new directory")
     if not output.parent.exists():
-        raise UsageError(f"--output {output}: parent directory {output.parent} does not exist")
+        try:  # ckpt/step-1 with no ckpt/ yet: make it, as `mkdir -p` would
+            output.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--output {output}: cannot create parent directory {output.parent}: "
+                             f"{exc.strerror}") from None
     return output
 
 

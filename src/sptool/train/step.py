@@ -386,7 +386,9 @@ class PolicyTrainer:
         except ImportError as exc:
             raise RuntimeFailure(f"LoRA needs peft: pip install 'sptool[train]' ({exc})") from None
         except (OSError, ValueError) as exc:
-            raise RuntimeFailure(f"cannot load model '{config.model}': {str(exc).splitlines()[0]}") from None
+            from sptool.models.resolve import load_failure
+
+            raise load_failure(config.model, exc) from None
         self.base_model = self.state.get("base_model", self.base_model)
         return model, tokenizer
 
