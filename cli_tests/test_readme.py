@@ -126,14 +126,15 @@ def nonempty_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def check_promises(command: Command, cwd: Path, stdout: str) -> None:
+def check_promises(command: Command, cwd: Path, stdout: str, stderr: str) -> None:
     """What the README says a line leaves behind, beyond exit 0."""
     text = command.text
     if "groups.jsonl" in text and "filter" in text:
         groups = nonempty_jsonl(cwd / "groups.jsonl")
         assert all({"role", "prompt", "completions", "rewards", "advantages"} <= set(g) for g in groups)
-    if text.startswith("sptool train-step"):
+    if "sptool train-step" in text:
         assert (cwd / "ckpt" / "step-1" / "config.json").is_file()
+        assert "1 update(s)" in " ".join(stderr.split()), stderr
     if text.startswith("sptool report"):
         report = cwd / text.split()[2] / "report"
         assert list(report.glob("*.png")), f"no plots in {report}"
@@ -142,6 +143,8 @@ def check_promises(command: Command, cwd: Path, stdout: str) -> None:
         if run_dir:
             manifest = json.loads((cwd / run_dir.group(1) / "manifest.json").read_text())
             assert manifest, "empty manifest"
+        if "--resume" in text.split(" #", 1)[0]:  # continues from the last finished stage: the finished run is read back
+            assert re.search(r"\b[1-9]\d* read back", stderr), stderr
         if "--log-with tensorboard" in text:
             assert list((cwd / run_dir.group(1)).rglob("events.out.tfevents.*")), "no tensorboard events"
     if text.startswith("sptool recipes list"):
@@ -222,7 +225,7 @@ def test_readme_code_blocks_run_in_order(tmp_path, random_policy):
             assert (work / target).stat().st_size > 0, f"{target} is empty\n{where}"
         elif not target:
             assert result.stdout.strip() or result.stderr.strip(), f"printed nothing\n{where}"
-        check_promises(command, work, result.stdout)
+        check_promises(command, work, result.stdout, result.stderr)
         ran += 1
     slowest = sorted(timings, reverse=True)[:5]
     print("slowest README lines:", ", ".join(f"README.md:{line} {s:.1f}s" for s, line in slowest))
