@@ -19,7 +19,8 @@ Models, chosen through the environment only, never by editing a line:
   so every iteration trains and checkpoints in a second. Everything the line itself sets (``--tiny``,
   ``--set``, ``-n``, ``--data`` …) still applies: ``--set`` beats ``--config``, which beats ``--tiny``.
 
-Each command must exit 0 (the console block: 2, with the error line it shows); a command whose
+Each command must exit 0 (the console block: 2, with the error line it shows; a line whose comment
+says ``exit N``, e.g. a run that may stop on collapse, may also end with N); a command whose
 output goes to a file must leave that file non-empty, one that writes to the terminal must print
 something, and the promises the README makes in words (groups, reports, plots, checkpoints) are
 checked after the line that makes them.
