@@ -518,3 +518,23 @@ def test_response_prefix_and_stop_strings_alike_in_hf_vllm_and_openai(vllm_serve
         assert (sample.text, sample.finish_reason, sample.stop_string) == ("1, 2, 3, 4, 5, 6", "stop", " 6"), \
             backend.name
         assert 1 <= sample.n_tokens < 24 and hf_backend.tokenizer.eos_token_id not in (sample.token_ids or [])
+
+
+@pytest.mark.slow
+def test_hf_generation_reports_every_decoding_step(hf_backend):
+    """A long generation shows progress before its first record: the hf backend calls the token
+    listener after every decoding step with the batch's row count (4 rows, greedy: the steps are
+    the longest completion, its end token included)."""
+    from sptool.cli.common import Progress
+    from sptool.models.base import SamplingParams, token_listener
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, seed=0)
+    with Progress("solve", quiet=False, every_s=0.0) as progress:
+        assert token_listener() == progress.tokens_generated
+        samples = hf_backend.generate(["What is 2 + 3?", "Name a colour."], 2, params)
+    assert token_listener() is None  # the listener goes with the command
+    steps = max(sample.n_tokens for row in samples for sample in row)
+    assert progress.tokens == 4 * steps > 0
+    with Progress("solve", quiet=True) as silent:
+        hf_backend.generate(["What is 2 + 3?"], 1, params)
+    assert silent.tokens == 0  # -q: no listener, no counting

@@ -241,7 +241,7 @@ def test_wist_takes_as_many_updates_as_its_training_batch_fills(tmp_path, random
     groups = read_jsonl(run_dir / "iter-0001" / "06-filter.jsonl")
     completions = sum(len(g["completions"]) for g in groups)
     (trained,) = read_jsonl(run_dir / "iter-0001" / "07-train.jsonl")
-    assert all(len(g["completions"]) == 2 for g in groups)   # tiny: G = K = 2, two groups an update
+    assert all(len(g["completions"]) == 4 for g in groups)   # tiny: G = K = 4, one group an update
     assert trained["updates"] == -(-completions // 4) > 1
     assert len(trained["per_update"]) == trained["updates"]
     assert state_of(only_checkpoint(run_dir, "policy"))["step"] == trained["updates"]

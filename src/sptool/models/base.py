@@ -85,6 +85,21 @@ class Sample:
         return record
 
 
+# Progress inside a long generation: a function the stage commands set (``tokens_generated(n)``,
+# n new tokens over the batch), called by the hf backend after every decoding step, so a
+# 512-token batch on a CPU shows progress from its first seconds instead of after minutes.
+_token_listener: Callable[[int], None] | None = None
+
+
+def set_token_listener(listener: Callable[[int], None] | None) -> None:
+    global _token_listener
+    _token_listener = listener
+
+
+def token_listener() -> Callable[[int], None] | None:
+    return _token_listener
+
+
 def split_response_prefix(prompt: Prompt) -> tuple[Prompt, str]:
     """``(messages without the response prefix, prefix)``: a trailing assistant message is the
     start of the reply (``""`` when there is none, and for a plain-string prompt)."""

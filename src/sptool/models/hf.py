@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, split_response_prefix
+from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, split_response_prefix, token_listener
 from sptool.models.resolve import resolve_model
 from sptool.records import RuntimeFailure, UsageError
 
@@ -160,6 +160,9 @@ class HFBackend:
                 options.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
             else:
                 options.update(temperature=None, top_p=None, top_k=None)
+            listener = token_listener()
+            if listener is not None:
+                options["stopping_criteria"] = _token_progress(listener)
             torch.manual_seed(params.seed * 1_000_003 + batch_index)
             with torch.inference_mode():
                 output = self.model.generate(**encoded, **options)
@@ -212,3 +215,17 @@ class HFBackend:
 
     def close(self) -> None:
         self.model = None
+
+
+def _token_progress(listener):
+    """A stopping criterion that never stops: it tells ``listener`` after every decoding step how
+    many rows got a new token (the progress of a long generation)."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class TokenProgress(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            listener(int(input_ids.shape[0]))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([TokenProgress()])
