@@ -209,10 +209,11 @@ class Progress:
     def tokens_generated(self, n: int) -> None:
         """The backend decoded one more token for ``n`` sequences: a long generation shows
         progress before its first record is done."""
+        first = not self.tokens
         self.tokens += n
-        self._show()
+        self._show(force=first)  # the first decoding step shows at once: the model is working
 
-    def _show(self) -> None:
+    def _show(self, force: bool = False) -> None:
         if self.quiet:
             return
         now = time.monotonic()
@@ -222,7 +223,7 @@ class Progress:
             text += f", {self.tokens:,} tokens generated ({self.tokens / elapsed:.0f}/s)"
         if self._status is not None:
             self._status.update(text)
-        elif now - self._last >= self.every_s:
+        elif force or now - self._last >= self.every_s:
             self._last = now
             err_console.print(text)
 
