@@ -41,6 +41,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES, REPO
+from test_run import random_policy  # noqa: F401 - the session fixture, shared
 
 README = REPO / "README.md"
 SCRIPT = FIXTURES / "scripts" / "run_all.jsonl"
@@ -153,24 +154,6 @@ def check_promises(command: Command, cwd: Path, stdout: str, stderr: str) -> Non
     if text.startswith("sptool tree show"):
         # the categories from `tree init`, with the outcomes `posterior update` recorded
         assert "Geometry" in stdout and re.search(r"n=[1-9]", stdout), stdout
-
-
-@pytest.fixture(scope="module")
-def random_policy(tmp_path_factory, tiny_model_dir) -> str:
-    """A 1-layer, 16-wide random model with the tiny model's tokenizer: fast to train and save."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    directory = tmp_path_factory.mktemp("random-policy")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=2048, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return str(directory)
 
 
 @pytest.mark.slow  # about 4 minutes on 2 busy cores: the real tiny model trains and solves once
