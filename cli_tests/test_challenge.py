@@ -103,6 +103,33 @@ def test_parse_variant_output():
     assert parse_variant_output("<problem> </problem>") == (None, "empty problem")
     assert parse_variant_output("<problem>What is 7 +  8?</problem>", "What is 7 + 8?")[1] == \
         "copies the original problem"
+    # the solutions-short prompt: the reply starts inside <problem> and stops at the question mark
+    text = "<problem>Tom has 9 pens and buys 4 more. How many pens does he have?"
+    assert parse_variant_output(text, stopped=True) == (text[len("<problem>"):], None)
+    assert parse_variant_output(text) == (None, "unclosed <problem> (no </problem> within the token budget)")
+
+
+def test_short_synthesis_prompt_closes_the_problem_at_the_stop_string(tmp_path):
+    """``challenge --from solutions --prompt solutions-short`` through the real tiny model: the
+    reply starts inside <problem> and ends at the question mark, so the problem parses without
+    a closing tag (the paper's prompt got 0 of 4 well-formed variants from the 135M model)."""
+    from sptool.challenge import SolutionChallengeStage
+    from sptool.models.base import SamplingParams, load_backend
+    from sptool.prompts import load_prompt
+
+    backend = load_backend("hf", "tiny", device="cpu")
+    verified = {"id": "p1", "question": "What is 5 + 8?", "answer": "13", "p_hat": 0.5,
+                "samples": [{"text": "\\boxed{13}", "correct": True}]}
+    stage = SolutionChallengeStage(backend, candidates=4, band=(0.0, 1.0), max_solutions=1,
+                                   params=SamplingParams(temperature=1.0, max_new_tokens=48, seed=3),
+                                   prompt=load_prompt("synthesis", "solutions-short"))
+    out = list(stage.process(iter([verified])))
+    assert len(out) == 4
+    stopped = [r for r in out if r.get("stop_string") == "?"]
+    assert stopped, [r["raw"] for r in out]
+    for record in stopped:
+        assert record["valid"] and record["question"].endswith("?") and "<problem>" not in record["question"]
+        assert record["answer"] == "13" and record["raw"].startswith("<problem>")
 
 
 # ---------------------------------------------------------------- modes with the scripted backend

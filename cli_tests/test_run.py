@@ -521,8 +521,9 @@ def test_tiny_recipe_completes_with_the_real_model(recipe, tmp_path):
     report = run_sptool("report", str(run_dir), "-q", env=ENV, timeout=300)
     assert report.returncode == 0, report.stderr
     assert "training groups with a non-zero advantage, iteration 1" in report.stdout
-    if recipe in ("rzero", "rquest"):
-        # the questioner writes questions of the required shape, and they reach the gates
+    if recipe != "rlvr":
+        # the questioner (challenger, synthesis) writes questions of the required shape, and
+        # they reach the gates and the solver
         steps = question_outcomes(run_dir)
         page = (run_dir / "report" / "questions.md").read_text()
         assert all(row["question"][:40] in page for row in steps[0]["questions"][:6])
@@ -530,7 +531,9 @@ def test_tiny_recipe_completes_with_the_real_model(recipe, tmp_path):
         for step in steps:
             for name, value in outcome_counts(step).items():
                 totals[name] = totals.get(name, 0) + value
-        assert totals["well-formed"] >= totals["proposed"] / 2, totals
+        assert totals["kept"] > 0, totals
+        if recipe in ("rzero", "rquest"):
+            assert totals["well-formed"] >= totals["proposed"] / 2, totals
         if recipe == "rquest":  # each gate rejects some questions, and some pass both
             assert totals["validity gate: rejected"] > 0 and totals["novelty gate: rejected"] > 0, totals
             assert sum(outcome_counts(step)["kept"] for step in steps if "-q" in step["step"]) > 0, totals

@@ -259,10 +259,19 @@ def parse_questioner_output(text: str) -> tuple[str | None, str | None, str | No
     return question, answer, None
 
 
-def parse_variant_output(text: str, original_question: str | None = None) -> tuple[str | None, str | None]:
-    """SvS variant problem in ``<problem>…</problem>`` → ``(problem, invalid_reason)``."""
+def parse_variant_output(text: str, original_question: str | None = None, *,
+                         stopped: bool = False) -> tuple[str | None, str | None]:
+    """SvS variant problem in ``<problem>…</problem>`` → ``(problem, invalid_reason)``.
+
+    ``stopped``: generation ended at a stop string (the ``solutions-short`` prompt starts the
+    reply inside ``<problem>`` and stops at the question mark), so an unclosed ``<problem>``
+    holds the whole problem."""
     match = re.search(r"<problem>(.*?)</problem>", text, re.IGNORECASE | re.DOTALL)
+    if not match and stopped:
+        match = re.search(r"<problem>(.*)", text, re.IGNORECASE | re.DOTALL)
     if not match:
+        if re.search(r"<problem>", text, re.IGNORECASE):
+            return None, "unclosed <problem> (no </problem> within the token budget)"
         return None, "no problem extracted"
     problem = match.group(1).strip()
     if not problem:
@@ -560,7 +569,8 @@ class SolutionChallengeStage(_GeneratingStage):
                     parent_id = ensure_id(parent, parent["question"], parent["answer"])
                     group_id = content_id("synthesis", parent_id, solution_index, self.params.seed)
                     for index, sample in enumerate(samples):
-                        problem, reason = parse_variant_output(sample.text, parent["question"])
+                        problem, reason = parse_variant_output(sample.text, parent["question"],
+                                                               stopped=sample.stop_string is not None)
                         record = {"id": content_id(group_id, index, sample.text),
                                   "question": problem, "answer": answer, "source_answer": answer,
                                   "origin": "synthesis", "group_id": group_id,

@@ -103,6 +103,10 @@ PACKAGED: dict[str, dict[str, Packaged]] = {
     "synthesis": {
         "solutions": Packaged("challenge_solutions.txt", "a variant problem with the same answer in "
                               "<problem></problem> (SvS)"),
+        "solutions-short": Packaged("challenge_solutions_short.txt", "a new problem with the same answer, "
+                                    "from the problem and its answer (two examples); the reply starts "
+                                    "inside <problem> and stops at the question (small models)",
+                                    prefix="<problem>", stop=("?", "</problem>")),
     },
     "novelty": {
         "judge": Packaged("novelty_judge.txt", "are two problems the same task type? YES or NO"),
