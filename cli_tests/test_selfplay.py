@@ -156,6 +156,32 @@ def test_second_update_from_one_rollout_has_ratio_off_one_and_clips(random_polic
     assert second["clip_fraction"] > 0
 
 
+def test_completions_without_sampling_logprobs_get_a_behaviour_ratio(random_policy):  # noqa: F811
+    """A rollout whose completions carry no sampling log-probs (the two-phase questioner's
+    replies, a backend that returns none) is scored by the policy before its first update, so the
+    second update from it has ratio ≠ 1 and clips; without that it fell back to ratio 1."""
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    texts = ["The answer is 5.", "It is 6.", "5", "I think the answer is 7."]
+    prompt = [{"role": "user", "content": "What is 2 + 3?"}]
+    group = {"role": "solver", "prompt": prompt, "completions": texts, "rewards": [1.0, 0.0, 1.0, 0.0],
+             "finish_reasons": ["stop"] * 4}
+    # one completion keeps its recorded log-probs: only the missing ones are scored
+    trainer = PolicyTrainer(TrainConfig(model=random_policy, loss="grpo", learning_rate=0.05))
+    recorded = trainer.logprobs(trainer.encode_group(group))[0]
+    scored = {**group, "old_logprobs": [[x - 0.5 for x in recorded], None, None, None]}
+    assert trainer.fill_old_logprobs([scored]) == 3
+    assert scored["old_logprobs"][0] == [x - 0.5 for x in recorded]
+    first = trainer.update([scored])
+    assert first["old_logprob_mismatches"] == 0 and first["clip_fraction"] > 0  # the recorded one is off
+    second = trainer.update([scored])
+    assert abs(second["ratio_mean"] - 1.0) > 1e-3 and second["clip_fraction"] > 0
+    # without scoring, the same two updates have ratio 1 throughout
+    plain = PolicyTrainer(TrainConfig(model=random_policy, loss="grpo", learning_rate=0.05))
+    plain.update([dict(group)])
+    assert plain.update([dict(group)])["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+
+
 # ------------------------------------------------------------------------------ scripted runs
 
 @pytest.mark.slow
@@ -236,12 +262,17 @@ def test_per_role_start_checkpoints_skip_the_validity_init(tmp_path, random_poli
 def test_wist_takes_as_many_updates_as_its_training_batch_fills(tmp_path, random_policy):  # noqa: F811
     run_dir = tmp_path / "wist"
     result = run_sptool(*scripted_args("wist", run_dir, random_policy), "--set", "run.iterations=1",
-                        "--set", "wist.train_batch=4", env=ENV)
+                        "--set", "wist.train_batch=8", "--set", "train.learning_rate=0.05", env=ENV)
     assert result.returncode == 0, result.stderr
     groups = read_jsonl(run_dir / "iter-0001" / "06-filter.jsonl")
     completions = sum(len(g["completions"]) for g in groups)
     (trained,) = read_jsonl(run_dir / "iter-0001" / "07-train.jsonl")
-    assert all(len(g["completions"]) == 4 for g in groups)   # tiny: G = K = 4, one group an update
-    assert trained["updates"] == -(-completions // 4) > 1
+    assert all(len(g["completions"]) == 8 for g in groups)   # tiny: G = K = 8, one group an update
+    assert trained["updates"] == -(-completions // 8) > 1
     assert len(trained["per_update"]) == trained["updates"]
+    # the later updates are off-policy: completions the backend gave no log-probs for were scored
+    # by the policy before the first update, so they have a behaviour ratio, not ratio 1
+    missing = sum(1 for g in groups for lp in (g.get("old_logprobs") or [None] * 8) if lp is None)
+    assert trained.get("old_logprobs_filled", 0) == missing
+    assert any(abs(update["ratio_mean"] - 1.0) > 1e-3 for update in trained["per_update"][1:])
     assert state_of(only_checkpoint(run_dir, "policy"))["step"] == trained["updates"]

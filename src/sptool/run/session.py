@@ -421,6 +421,7 @@ class Session:
                 chunks = pack_completions(mine, completions_per_update)
             else:
                 chunks = split_updates(mine, max(1, math.ceil(len(mine) / updates)))
+            filled = trainer.fill_old_logprobs(mine) if len(chunks) > 1 else 0
             metrics: dict[str, Any] = {}
             per_step = []
             for chunk in chunks:
@@ -432,6 +433,8 @@ class Session:
                       "updates": len(per_step), "checkpoint": None, "metrics": metrics}
             if len(per_step) > 1:
                 record["per_update"] = per_step
+            if filled:  # completions without sampling log-probs, scored before the first update
+                record["old_logprobs_filled"] = filled
             out.append(record)
             if self.replaying is not None:  # resume: rewrite only a checkpoint the run recorded but lost
                 recorded = self.replaying[role]

@@ -755,6 +755,34 @@ class PolicyTrainer:
                 selected = selected / self.config.temperature
             return selected_logprobs(selected, targets)
 
+    def fill_old_logprobs(self, groups: Sequence[dict]) -> int:
+        """Give every completion of ``groups`` without sampling log-probabilities (a backend that
+        does not return them, a two-phase reply with forced text between its phases) its
+        per-token log π under the current policy, in place (``old_logprobs``). Called before a
+        rollout's first update, while the current policy is the one that sampled the rollout, so
+        its later updates have a behaviour ratio (otherwise they fall back to ratio 1). Returns
+        how many completions were filled. Every rank computes every group (the same forwards on
+        each, as sharded models need)."""
+        todo: list[tuple[dict, list, list[int]]] = []
+        sequences: list[TrainSequence] = []
+        mismatches = self.old_logprob_mismatches
+        for group in groups:
+            old = list(group.get("old_logprobs") or [None] * len(group["completions"]))
+            missing = [i for i, values in enumerate(old) if values is None]
+            if missing:
+                encoded = self.encode_group(group)
+                todo.append((group, old, missing))
+                sequences += [encoded[i] for i in missing]
+        self.old_logprob_mismatches = mismatches  # counted once, by the update itself
+        if not sequences:
+            return 0
+        values = iter(self.logprobs(sequences))
+        for group, old, missing in todo:
+            for i in missing:
+                old[i] = next(values)
+            group["old_logprobs"] = old
+        return len(sequences)
+
     def logprobs(self, sequences: Sequence[TrainSequence]) -> list[list[float]]:
         """Per-token log-probs of each sequence's completion under the current policy (no
         gradient; e.g. behaviour log-probs for a sampler that did not record them), through the
