@@ -65,8 +65,10 @@ def extract_text(content: str, *, content_type: str = "text/html", url: str | No
         return Extracted(title=first[:200], text=text) if text else None
     try:
         import trafilatura
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise RuntimeFailure("corpus fetch needs trafilatura: pip install 'sptool[web]'") from None
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        # installed but broken (lxml without lxml_html_clean) reads differently from missing
+        reason = f" (importing it failed: {str(error).splitlines()[0]})" if error.name != "trafilatura" else ""
+        raise RuntimeFailure(f"corpus fetch needs trafilatura: pip install 'sptool[web]'{reason}") from None
     document = trafilatura.bare_extraction(
         content, url=url, with_metadata=True, include_comments=False, include_tables=True,
         include_images=False, include_links=False, deduplicate=False, favor_precision=True)
