@@ -155,6 +155,11 @@ class VLLMBackend:
             options.update(enable_lora=True, max_lora_rank=self.max_lora_rank)
         if self.on_gpu:
             options["enable_sleep_mode"] = True
+        else:
+            # vLLM's CPU runner rewinds a seeded request's generator when a chunked prefill
+            # discards its sampled token, and CPU generators have no offset ("CPU Generator does
+            # not use offset", vllm 0.32): whole prefills only (64 seeded requests hit it)
+            options["enable_chunked_prefill"] = False
         options.update(self.engine_options)
         if self.log:
             self.log(f"vllm: starting the engine for {self.base_path} "
