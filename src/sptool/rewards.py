@@ -1,13 +1,13 @@
 """Every reward and gate formula of the four recipes, as pure functions, in one place.
 
-Each function cites the equation it implements. Sources (``../shared/seeds/``):
+Each function cites the equation it implements. Sources (the papers' sections):
 
-- WIST  = ``000_d2b91cb11b1ab3e4.txt`` (§2.2 Eq. 3, §3.4 Eqs. 12–14, role balancing)
-- SvS   = ``001_142ecccc331f7113.txt`` (§3.3 Eqs. 4–6, Algorithm 1)
-- R-Quest = ``002_398bb28b8bd4f809.txt`` (validity initialisation, validity gate, novelty gate,
+- WIST: web-grounded iterative self-play tree (§2.2 Eq. 3, §3.4 Eqs. 12–14, role balancing)
+- SvS: self-play with variational problem synthesis, Liang et al., 2025 (§3.3 Eqs. 4–6, Algorithm 1)
+- R-Quest: R-Zero plus validity and novelty gates (validity initialisation, validity gate, novelty gate,
   questioner reward, solver data, replay)
-- R-Zero (Huang et al., 2025, arXiv 2508.05004) as summarised in DESIGN §4 and in the WIST and
-  R-Quest seeds; where R-Zero's reference code differs, the alternative is a keyword option.
+- R-Zero (Huang et al., 2025, arXiv 2508.05004) as summarised in the WIST and
+  R-Quest papers; where R-Zero's reference code differs, the alternative is a keyword option.
 
 Nothing here reads records or files: inputs are numbers, booleans and strings, so every formula
 can be tested against values computed by hand.
@@ -221,7 +221,7 @@ def rzero_questioner_reward(p: float | None, repetition_penalty: float, parsed: 
     parsed (no ``<question>``; WIST Table: R-Zero invalid penalty −1 for the Challenger).
 
     ``clip_at_zero`` applies max(0, r_unc − r_rep) as written in the R-Zero paper; the default
-    (no floor) follows R-Zero's reference code and DESIGN §4.
+    (no floor) follows R-Zero's reference code.
     """
     if not parsed or p is None:
         return format_failure
@@ -239,7 +239,7 @@ def in_band(value: float | None, band: tuple[float, float], inclusive: bool = Tr
 
 def pseudo_label_solver_reward(correct: bool | None, formatted: bool,
                                format_weight: float = PSEUDO_LABEL_FORMAT_WEIGHT) -> float:
-    """Solver reward on pseudo-labelled questions (R-Quest "solver 奖励"; DESIGN §4 for R-Zero):
+    """Solver reward on pseudo-labelled questions (R-Quest "solver 奖励"; R-Zero §2.1):
     r = 0.9 · 1[answer ≡ majority pseudo-label] + 0.1 · 1[format: a \\boxed{} answer].
 
     ``format_weight`` w gives (1 − w)·correct + w·format; w = 0 is plain binary correctness.

@@ -15,7 +15,7 @@ So this module only builds the command line and environment (:func:`server_comma
 replaces the current process with the server (:func:`exec_server`): the model resolved like
 every sptool command (``tiny`` included), served under the name the user passes as ``-m``
 (default: the model argument as given, so ``sptool run -m tiny --backend openai`` finds it), the
-CPU defaults of DESIGN §6 without a GPU (float32 like the hf backend, ``--enforce-eager``), and
+sptool's CPU defaults without a GPU (float32 like the hf backend, ``--enforce-eager``), and
 LoRA enabled at start when ``--lora-rank`` is given (vLLM sizes adapter slots at start).
 
 The dev-mode endpoints let anyone who reaches the port reload weights from a path on the server:

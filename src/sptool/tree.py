@@ -1,6 +1,6 @@
 """The WIST domain tree: Beta posteriors with a sliding window, Thompson path sampling, unk expansion.
 
-WIST §3.2 and §3.5 (``shared/seeds/000_…``). The tree is one JSON document (not JSONL)::
+WIST §3.2 and §3.5 (WIST). The tree is one JSON document (not JSONL)::
 
     {"schema": "sptool.tree", "version": 1, "revision": 3, "domain": "mathematics",
      "max_depth": 4, "window_size": 5, "max_children": 8, "root": "root",

@@ -1,4 +1,4 @@
-"""``sptool tree init | expand | show``: the WIST domain tree (DESIGN §4, WIST §3.2)."""
+"""``sptool tree init | expand | show``: the WIST domain tree (WIST §3.2)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The training-group builder every recipe's filter shares, and its record helpers.
 
-A **training group** is what one policy-gradient group needs (DESIGN §3)::
+A **training group** is what one policy-gradient group needs (docs/architecture.md, record kinds)::
 
     {"id", "role": solver|challenger|questioner|synthesis|validity, "recipe",
      "prompt": [chat messages exactly as used for generation], "completions": [texts],

@@ -1,4 +1,4 @@
-"""R-Zero's and R-Quest's filters (seed 002): questioner groups and majority-pseudo-label solver
+"""R-Zero's and R-Quest's filters (R-Quest §2-3): questioner groups and majority-pseudo-label solver
 groups, per batch of ``batch_size`` records (a ``group_id`` is never split).
 
 - R-Zero (§2.1): questioner reward r = uncertainty(p) − BLEU-cluster repetition penalty (−1 for
@@ -51,7 +51,7 @@ class RZeroOptions(PseudoLabelOptions):
     uncertainty: str = setting("paper", "questioner uncertainty: paper 1 − 2|p − ½| or reference "
                                "min(p, 1 − p)", "WIST App. D (R-Zero)", choices=("paper", "reference"))
     bleu_threshold: float = setting(R.BLEU_DISTANCE_THRESHOLD, "distance threshold on 1 − BLEU for "
-                                    "the repetition-penalty clusters", "DESIGN §4 (R-Zero)")
+                                    "the repetition-penalty clusters", "R-Zero (reference code)")
     bleu_pairing: str = setting("mean", "mean (symmetric BLEU) or reference (R-Zero's code: the "
                                 "hypothesis is the earlier question)", "R-Zero code",
                                 choices=("mean", "reference"))

@@ -1,4 +1,4 @@
-"""SvS's filter (seed 001, Algorithm 1 and Eq. 4-5): solver groups for original problems and
+"""SvS's filter (SvS, Algorithm 1 and Eq. 4-5): solver groups for original problems and
 variants with 0 < Acc < 1, and a synthesis group per solution whose variants hit the band.
 
 Original problems with 0 < Acc < 1 → solver groups; variants (``origin: synthesis``, contiguous

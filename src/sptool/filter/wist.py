@@ -1,4 +1,4 @@
-"""WIST's filter (seed 000 §3.4): challenger groups by the Gaussian variance reward, and one
+"""WIST's filter (WIST §3.4): challenger groups by the Gaussian variance reward, and one
 solver group per document (role balancing).
 
 Records arrive grouped by document (``group_id``, contiguous). Challenger group: all G

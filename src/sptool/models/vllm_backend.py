@@ -18,7 +18,7 @@ trainer), :meth:`VLLMBackend.sleep` frees the engine's memory while a train step
 ``update_weights`` wakes it with the new weights. ``VLLMBackend.engine_builds`` counts engine
 starts in this process (each also logs ``vllm: starting the engine``).
 
-Without a GPU the CPU defaults of DESIGN §6 apply: ``gpu_memory_utilization`` 0.3 (on CPU the
+Without a GPU sptool's CPU defaults apply: ``gpu_memory_utilization`` 0.3 (on CPU the
 share of RAM for the KV cache), ``enforce_eager`` (no long compile), float32 like the hf
 backend. vLLM spawns processes: the calling program's entry point must sit under
 ``if __name__ == "__main__"`` (``sptool`` itself does).

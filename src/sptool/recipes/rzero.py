@@ -1,4 +1,4 @@
-"""R-Zero and R-Quest: a questioner and a solver evolve from nothing (seed 002).
+"""R-Zero and R-Quest: a questioner and a solver evolve from nothing (R-Quest).
 
 R-Zero (§2.1), per round:
 

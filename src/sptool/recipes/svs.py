@@ -1,4 +1,4 @@
-"""SvS: self-play with variational problem synthesis (Liang et al., 2025; seed 001).
+"""SvS: self-play with variational problem synthesis (Liang et al., 2025).
 
 Algorithm 1, per iteration: sample problems from the labelled set; solve each G times and grade
 against the reference; for each under-performing problem (accuracy in the band), the policy

@@ -1,4 +1,4 @@
-"""WIST: web-grounded self-play over a domain tree (seed 000).
+"""WIST: web-grounded self-play over a domain tree (WIST).
 
 Per iteration (one rollout): Thompson-sample B paths in the domain tree and grow it
 where a leaf is wide enough (``tree-expand``); search the web for each path's leaf and keep

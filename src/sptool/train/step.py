@@ -1,7 +1,7 @@
 """One policy-gradient update from JSONL training groups (Dr. GRPO, GRPO, DAPO).
 
 TRL's GRPOTrainer samples its own rollouts and cannot take pre-computed ones, so this is sptool's
-own short torch loop (DESIGN §4 ``train-step``):
+own short torch loop (``sptool train-step``):
 
 1. each training group (``prompt``, ``completions``, ``rewards``, optional ``advantages``,
    ``old_logprobs``, ``finish_reasons``) becomes sequences ``prompt tokens + completion tokens``;
