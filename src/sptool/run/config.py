@@ -1,0 +1,168 @@
+"""The configuration sections every recipe shares, as typed dataclasses: one declaration per key
+with its default, help text, source and range (see :func:`sptool.settings.setting`).
+
+A recipe's own section is its ``Config`` dataclass (``recipes/wist.py`` …), which extends the
+recipe's filter options (``sptool.filter``), so a filter setting is declared once and reachable
+with ``--set``. The recipe schema, ``recipes show --explain``, the range checks and
+``sptool run``'s option help are all derived from these classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from sptool.settings import setting
+
+
+def train_default(name: str) -> Any:
+    """``train-step``'s own default for one setting (``TrainConfig``), so it is written once."""
+    from sptool.train.step import TrainConfig
+
+    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}[name]
+
+
+@dataclass
+class RunConfig:
+    iterations: int = setting(1, "outer iterations (WIST: rollouts; R-Zero/R-Quest: rounds, after R-Quest's "
+                              "validity initialisation as iteration 0)",
+                              minimum=1)
+    seed: int = setting(0, "run seed; each step's seed derives from (seed, iteration, step)")
+    keep: int = setting(3, "checkpoints kept per role (0: all)", minimum=0)
+    checkpoint_every: int = setting(10, "write checkpoints after every N-th iteration and the last one; "
+                                    "a resumed run replays the train steps since the newest one",
+                                    minimum=1)
+    stop_on_collapse: bool = setting(False, "a crossed health.* threshold stops the run (exit 3, "
+                                     "resumable; thresholds may change on --resume)")
+
+
+@dataclass
+class ModelConfig:
+    policy: str = setting("tiny", "starting weights: HF id, local HF directory, or tiny")
+    backend: str = setting("hf", "generation backend: hf (shares weights with the trainer), scripted, "
+                           "vllm, openai")
+    script: str = setting("", "scripted backend: the JSONL script file")
+    questioner: str = setting("", "two-role recipes: the questioner's start (HF id, directory or "
+                              "checkpoint); empty: model.policy",
+                              "R-Quest §3.1: the questioner starts from the base model")
+    solver: str = setting("", "two-role recipes: the solver's start; empty: model.policy. R-Quest: a "
+                          "solver given here is taken as initialised (no validity initialisation)",
+                          "R-Quest App. A.3: the initialised solver is the self-play solver's start")
+    judge: str = setting("", "R-Quest's frozen novelty judge; empty: model.policy",
+                         "R-Quest §3: judged by the frozen base model")
+    device: str = setting("", "cpu, cuda, cuda:1 …; empty: a GPU when there is one")
+    dtype: str = setting("", "auto, bf16, fp16, fp32; empty: auto")
+    gen_batch_size: int = setting(64, "sequences per forward batch (hf backend)", minimum=1)
+    chat_template: bool = setting(True, "prompt through the tokenizer's chat template")
+    base_url: str = setting("", "openai backend: server URL(s), comma-separated (--base-url; `sptool "
+                            "serve` starts one); empty: $SPTOOL_BASE_URL or http://127.0.0.1:8000/v1")
+
+
+@dataclass
+class GenerationConfig:
+    temperature: float = setting(1.0, "sampling temperature", minimum=0)
+    top_p: float = setting(1.0, "nucleus sampling mass", above=0, maximum=1)
+    max_tokens: int = setting(512, "new tokens per generation (also Dr. GRPO's normaliser L)",
+                              minimum=1)
+    prompts_per_call: int = setting(4, "challenge prompts (WIST documents, SvS solutions) per generate "
+                                    "call; solve and eval fill model.gen_batch_size instead", minimum=1)
+
+
+@dataclass
+class TrainSection:
+    loss: str = setting(train_default("loss"), "policy objective (dr_grpo, grpo, dapo)")
+    learning_rate: float = setting(train_default("learning_rate"), "optimizer learning rate", above=0)
+    beta: float = setting(train_default("beta"), "KL coefficient to the reference policy", minimum=0)
+    max_grad_norm: float = setting(train_default("max_grad_norm"), "gradient clipping norm")
+    lora_r: int = setting(train_default("lora_r"), "LoRA rank (0: full fine-tuning)", minimum=0)
+    max_tokens_per_micro_batch: int = setting(train_default("max_tokens_per_micro_batch"),
+                                              "tokens per micro-batch (gradient accumulation)", minimum=1)
+    shared_policy: bool = setting(True, "one policy plays every role (WIST, SvS), else questioner and "
+                                  "solver are trained apart (R-Zero, R-Quest)")
+
+
+@dataclass
+class VerifyConfig:
+    workers: int = setting(2, "grading processes", minimum=1)
+    deadline_s: float = setting(30.0, "seconds before a stuck grading is abandoned", above=0)
+    require_boxed: bool = setting(False, "grade only an answer inside \\boxed{} (else math-verify's "
+                                  "extraction too)")
+
+
+@dataclass
+class EvalConfig:
+    benchmarks: str = setting("", "held-out JSONL files (question, answer), comma-separated; empty: off")
+    every: int = setting(0, "also evaluate after every N-th iteration (0: before and after only)",
+                         minimum=0)
+    samples: int = setting(4, "sampled solutions per problem (mean@k, pass@k); greedy is extra; "
+                           "0: greedy only", minimum=0)
+    max_tokens: int = setting(0, "new tokens per solution (0: generation.max_tokens)", minimum=0)
+
+
+@dataclass
+class DecontaminateConfig:
+    benchmarks: str = setting("", "benchmark JSONL files (question, id), comma-separated, screened out of "
+                              "every generated question and WIST document; empty: off")
+    ngram: int = setting(13, "a shared run of this many normalised words marks a copy", minimum=1)
+    minhash_threshold: float = setting(0.7, "MinHash Jaccard (word pairs) of a near-copy; 0: n-grams only",
+                                       minimum=0, maximum=1)
+
+
+@dataclass
+class HealthConfig:
+    probe: str = setting("", "labelled probe JSONL (question, answer) for pseudo-label accuracy; "
+                         "empty: off (also --probe)")
+    probe_samples: int = setting(8, "solver samples per probe question (the vote)", minimum=1)
+    min_valid_rate: float = setting(0.0, "warn (stop with run.stop_on_collapse) below this "
+                                    "valid-question rate", minimum=0, maximum=1)
+    max_duplicate_share: float = setting(1.0, "warn (stop with run.stop_on_collapse) above this share of "
+                                         "near-duplicate questions",
+                                         minimum=0, maximum=1)
+    min_signal_share: float = setting(0.0, "warn (stop with run.stop_on_collapse) below this share of "
+                                      "groups with a learning signal",
+                                      minimum=0, maximum=1)
+    min_pseudo_label_accuracy: float = setting(0.0, "warn (stop with run.stop_on_collapse) below this "
+                                               "pseudo-label accuracy on the probe",
+                                               minimum=0, maximum=1)
+
+
+COMMON_SECTIONS: dict[str, type] = {
+    "run": RunConfig, "model": ModelConfig, "generation": GenerationConfig, "train": TrainSection,
+    "verify": VerifyConfig, "decontaminate": DecontaminateConfig, "health": HealthConfig,
+    "eval": EvalConfig,
+}
+
+
+def section_defaults(cls: type) -> dict[str, Any]:
+    """A section's defaults as plain TOML/JSON values (tuples as lists)."""
+    return {f.name: list(f.default) if isinstance(f.default, tuple) else f.default
+            for f in dataclasses.fields(cls)}
+
+
+def section_object(cls: type, values: dict[str, Any]) -> Any:
+    """A section dataclass from its (validated) dict (lists as tuples)."""
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
+@dataclass(frozen=True)
+class Sections:
+    """The shared sections of one run's configuration, typed (``settings.model.backend``)."""
+
+    run: RunConfig
+    model: ModelConfig
+    generation: GenerationConfig
+    train: TrainSection
+    verify: VerifyConfig
+    decontaminate: DecontaminateConfig
+    health: HealthConfig
+    eval: EvalConfig
+
+    @classmethod
+    def of(cls, config: dict) -> "Sections":
+        return cls(**{name: section_object(kind, config[name]) for name, kind in COMMON_SECTIONS.items()})
+
+    def train_options(self) -> dict[str, Any]:
+        """The ``[train]`` keys that are ``train-step`` settings (all but ``shared_policy``)."""
+        return {f.name: getattr(self.train, f.name) for f in dataclasses.fields(self.train)
+                if f.name != "shared_policy"}
