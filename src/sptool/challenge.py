@@ -154,15 +154,17 @@ def _loads_latex_tolerant(span: str) -> Any:
     Strict JSON first; when that fails, or silently turns ``\\frac``/``\\boxed`` into a form
     feed/backspace, retry with the backslash of every LaTeX command doubled.
     """
+    from sptool.jsonl import loads_strict
+
     try:
-        value = json.loads(span)
+        value = loads_strict(span)
         if not any(char in text for text in _strings_in(value) for char in "\f\b"):
             return value
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON, or a value no record may hold (digits, nesting, surrogates)
         pass
     try:
-        return json.loads(_LATEX_BACKSLASH.sub(r"\\\\", span))
-    except json.JSONDecodeError:
+        return loads_strict(_LATEX_BACKSLASH.sub(r"\\\\", span))
+    except ValueError:
         return None
 
 

@@ -20,6 +20,7 @@ import json
 import re
 from typing import Any, Iterator
 
+from sptool.jsonl import loads_strict
 from sptool.records import RuntimeFailure, UsageError, content_id
 
 # Tasks whose answer is a single number, fraction or expression that math-verify's equivalence
@@ -102,8 +103,8 @@ def parse_params(params: list[str]) -> dict:
         if not sep or not key.strip():
             raise UsageError(f"--param expects KEY=VALUE, got '{item}'")
         try:
-            config[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
+            config[key.strip()] = loads_strict(value)
+        except ValueError:  # not JSON (or a refused value): the text itself
             config[key.strip()] = value
     return config
 
@@ -136,7 +137,7 @@ def plain_answer(text: str, boxed: str | None, *, require_boxed: bool = False) -
 
 @functools.lru_cache(maxsize=64)
 def _scorer(task: str, config_json: str):
-    return make_dataset(task, size=1, seed=0, config=json.loads(config_json))
+    return make_dataset(task, size=1, seed=0, config=loads_strict(config_json))
 
 
 def task_score(task: str, config: dict, entry: dict, answer: str | None) -> float:

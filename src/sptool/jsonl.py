@@ -17,6 +17,7 @@ import gzip
 import io
 import json
 import os
+import re
 import sys
 from typing import IO, Any, Callable, Iterator
 
@@ -36,6 +37,9 @@ def open_binary_input(path: str | os.PathLike | None) -> IO[bytes]:
     UTF-8 is reported at its ``source:line`` like any other bad line.
     """
     if path in (None, "-"):
+        if sys.stdin is None or getattr(sys.stdin, "closed", False):
+            raise InputError("standard input is closed; give an input file or pipe JSONL in",
+                             source=STDIN_NAME)
         return getattr(sys.stdin, "buffer", None) or io.BytesIO(sys.stdin.read().encode("utf-8"))
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -50,49 +54,174 @@ def open_binary_input(path: str | os.PathLike | None) -> IO[bytes]:
         raise InputError(f"cannot open ({exc.strerror or exc})", source=path) from None
 
 
-def _parse_line(raw: bytes, kind: RecordKind, source: str, number: int) -> dict:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        hint = "is it a gzip file without .gz?" if raw.startswith(b"\x1f\x8b") else None
-        raise InputError(f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})",
-                         source=source, line=number, hint=hint) from None
-    try:
-        value = loads_strict(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"not valid JSON ({exc.msg} at column {exc.colno})", source=source,
-                         line=number, hint="each line must be one JSON object") from None
-    except NonFiniteNumber as exc:
-        raise InputError(f"not valid JSON ({exc}; numbers must be finite)", source=source,
-                         line=number) from None
-    except RecursionError:
-        raise InputError("nested too deeply (more than a few hundred levels of lists/objects)",
-                         source=source, line=number) from None
-    try:
-        return kind.validate(value)
-    except InputError as error:
-        raise error.at(source, number) from None
+#: One JSONL line may hold at most this many bytes: an endless line (``/dev/zero``, a binary
+#: file) is cut there with one clear error instead of growing until the memory runs out.
+MAX_LINE_BYTES = int(os.environ.get("SPTOOL_MAX_LINE_BYTES", 64 << 20))
+#: Lists/objects may nest at most this deep (a deeper value is refused before any stage recurses).
+MAX_DEPTH = 100
+#: Integers may have at most this many digits (like a float's range: 1e308); Python refuses to
+#: convert more than 4,300 anyway, with a traceback.
+MAX_INT_DIGITS = 308
 
 
 class NonFiniteNumber(ValueError):
     """A NaN/Infinity literal or a number too large for a float: not JSON for sptool."""
 
 
+class BadJsonValue(ValueError):
+    """Valid JSON syntax sptool refuses: nesting deeper than :data:`MAX_DEPTH`, a lone surrogate."""
+
+
 def _refuse_constant(name: str) -> Any:
-    raise NonFiniteNumber(f"{name} is not a JSON number")
+    raise NonFiniteNumber(f"{name} is not a JSON number; numbers must be finite")
 
 
 def _finite_float(text: str) -> float:
     value = float(text)
     if value in (float("inf"), float("-inf")):
-        raise NonFiniteNumber(f"the number {text[:30]} is too large")
+        raise NonFiniteNumber(f"the number {text[:30]} is too large; numbers must be finite")
     return value
 
 
+def _bounded_int(text: str) -> int:
+    if len(text) - text.startswith("-") > MAX_INT_DIGITS:
+        raise NonFiniteNumber(f"the integer {text[:20]}... has {len(text.lstrip('-'))} digits "
+                              f"(at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\[uU][dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_value(value: Any, text: str | None = None) -> None:
+    """Raise :class:`BadJsonValue` for a value nested deeper than :data:`MAX_DEPTH` or holding a
+    lone surrogate (``"\\ud800"``: valid JSON, but no UTF-8 writer can write it back).
+
+    With the ``text`` it was parsed from, the walk is skipped when the text cannot hold either."""
+    deep = text is None or text.count("[") + text.count("{") > MAX_DEPTH
+    surrogates = text is None or _SURROGATE_ESCAPE.search(text) is not None
+    if not (deep or surrogates):
+        return
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if surrogates and _SURROGATE.search(item):
+                raise BadJsonValue(f"the string {_shown(item)} holds a lone surrogate "
+                                   "(\\ud800-\\udfff), which is not text")
+        elif isinstance(item, (list, dict)):
+            if depth > MAX_DEPTH:
+                raise BadJsonValue(f"nested too deeply: more than {MAX_DEPTH} levels of lists/objects")
+            if isinstance(item, dict):
+                for key, child in item.items():
+                    stack.append((key, depth))
+                    stack.append((child, depth + 1))
+            else:
+                stack.extend((child, depth + 1) for child in item)
+
+
+def _shown(text: str) -> str:
+    shown = text if len(text) <= 30 else text[:27] + "..."
+    return json.dumps(shown)
+
+
 def loads_strict(text: str) -> Any:
-    """``json.loads`` that refuses ``NaN``/``Infinity`` and numbers that overflow to infinity
-    (they are not JSON, and the writer could not write them back after all the work)."""
-    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    """``json.loads`` that refuses what sptool could not carry through a stage and write back:
+    ``NaN``/``Infinity``, numbers that overflow to infinity, integers of more than
+    :data:`MAX_INT_DIGITS` digits, nesting deeper than :data:`MAX_DEPTH`, lone surrogates.
+    Every refusal is a :class:`ValueError` (``json.JSONDecodeError`` for syntax)."""
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float,
+                           parse_int=_bounded_int)
+    except RecursionError:
+        raise BadJsonValue(f"nested too deeply: more than {MAX_DEPTH} levels of lists/objects") from None
+    check_value(value, text)
+    return value
+
+
+def decode_json(raw: bytes | str, *, source: str, line: int = 0, what: str = "JSON") -> Any:
+    """One JSON text (a JSONL line, a whole tree file) -> its value, or one :class:`InputError`
+    at ``source:line`` saying what is wrong (not UTF-8, not JSON, a refused value)."""
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            hint = "is it a gzip file without .gz?" if raw.startswith(b"\x1f\x8b") else None
+            raise InputError(f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})",
+                             source=source, line=line, hint=hint) from None
+    else:
+        text = raw
+    try:
+        return loads_strict(text)
+    except json.JSONDecodeError as exc:
+        where = exc.lineno if not line else line
+        raise InputError(f"not valid JSON ({exc.msg} at column {exc.colno})", source=source,
+                         line=where, hint="each line must be one JSON object" if line else None) from None
+    except NonFiniteNumber as exc:
+        raise InputError(f"not valid JSON ({exc})", source=source,
+                         line=line) from None
+    except BadJsonValue as exc:
+        raise InputError(f"refused JSON value ({exc})", source=source, line=line) from None
+
+
+def load_json_file(path: str | os.PathLike, *, what: str = "JSON") -> Any:
+    """A whole JSON file (tree, manifest, state) read through :func:`decode_json`: one
+    :class:`InputError` naming the file for every problem, bounded in size like a line."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_LINE_BYTES + 1)
+    except OSError as exc:
+        raise InputError(f"cannot read ({exc.strerror or exc})", source=path) from None
+    if len(data) > MAX_LINE_BYTES:
+        raise InputError(f"larger than {MAX_LINE_BYTES} bytes, refusing to read it as {what}",
+                         source=path)
+    return decode_json(data, source=path, what=what)
+
+
+def read_text_file(path: str | os.PathLike, *, what: str = "text") -> str:
+    """A whole UTF-8 text file (a TOML config, a policy file), bounded like a line; not UTF-8,
+    unreadable or too large is one :class:`InputError` naming ``path:line``."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_LINE_BYTES + 1)
+    except OSError as exc:
+        raise InputError(f"cannot read ({exc.strerror or exc})", source=path) from None
+    if len(data) > MAX_LINE_BYTES:
+        raise InputError(f"larger than {MAX_LINE_BYTES} bytes, refusing to read it as {what}",
+                         source=path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise InputError(f"not valid UTF-8 (byte 0x{data[exc.start]:02x} at column {column}), "
+                         f"expected a {what} file", source=path, line=line) from None
+
+
+def iter_lines(handle: IO[bytes], source: str) -> Iterator[tuple[int, bytes]]:
+    """``(line number, raw line)`` of a binary stream, each line at most :data:`MAX_LINE_BYTES`
+    (a longer one is one :class:`InputError`: it cannot be skipped, there may be no end)."""
+    number = 0
+    while True:
+        raw = handle.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        number += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            raise InputError(f"line longer than {MAX_LINE_BYTES} bytes (SPTOOL_MAX_LINE_BYTES); "
+                             "is this a JSONL file?", source=source, line=number)
+        yield number, raw
+
+
+def _parse_line(raw: bytes, kind: RecordKind, source: str, number: int) -> dict:
+    value = decode_json(raw, source=source, line=number)
+    try:
+        return kind.validate(value)
+    except InputError as error:
+        raise error.at(source, number) from None
 
 
 def read_records(path: str | os.PathLike | None, kind: RecordKind = ANY, *,
@@ -108,7 +237,7 @@ def read_records(path: str | os.PathLike | None, kind: RecordKind = ANY, *,
     source = source_name(path)
     handle = open_binary_input(path)
     try:
-        for number, raw in enumerate(handle, start=1):
+        for number, raw in iter_lines(handle, source):
             if not raw.strip():
                 continue
             try:

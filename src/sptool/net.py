@@ -240,12 +240,13 @@ class HttpClient:
         raise HttpError("too-many-redirects", f"more than {self.max_redirects} redirects")
 
     def get_json(self, url: str, *, headers: Mapping[str, str] | None = None) -> object:
-        import json
+        from sptool.jsonl import loads_strict
 
         response = self.request(url, headers=headers, accept="application/json")
         try:
-            return json.loads(response.body)
-        except ValueError:
+            text = response.body.decode("utf-8") if isinstance(response.body, bytes) else response.body
+            return loads_strict(text)
+        except ValueError:  # not UTF-8, not JSON, or a value sptool refuses (digits, nesting)
             raise HttpError("bad-answer", "the answer is not JSON") from None
 
     def _with_retries(self, url, address, method, headers, body, accept, response: Response):

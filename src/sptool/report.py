@@ -24,7 +24,6 @@ pool), the gates' counts and the training groups with a learning signal per role
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -45,7 +44,9 @@ def load_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
     manifest: dict = {}
     if manifest_path.is_file():
         try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+            from sptool.jsonl import loads_strict
+
+            manifest = loads_strict(manifest_path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as exc:
             raise InputError(f"corrupt ({exc})", source=str(manifest_path)) from None
         if not isinstance(manifest, dict):

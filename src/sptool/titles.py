@@ -18,7 +18,6 @@ Two backends:
 
 from __future__ import annotations
 
-import json
 import os
 import urllib.parse
 from pathlib import Path
@@ -97,8 +96,10 @@ class WikipediaTitles:
 def parse_search_response(body: bytes, api: str, *, source: str) -> list[str]:
     """Titles from a MediaWiki ``list=search`` or ``opensearch`` JSON response."""
     try:
-        data = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        from sptool.jsonl import loads_strict
+
+        data = loads_strict(body.decode("utf-8"))
+    except ValueError:  # not UTF-8, not JSON, or a refused value
         raise RuntimeFailure(f"title search at {source} did not return JSON") from None
     if isinstance(data, dict) and "error" in data:
         info = data["error"].get("info") if isinstance(data["error"], dict) else data["error"]

@@ -364,15 +364,9 @@ def load_tree(path: str | os.PathLike) -> dict:
         raise InputError("no such tree file", source=path, hint="create one with `sptool tree init`")
     if os.path.isdir(path):
         raise InputError("is a directory, expected a tree JSON file", source=path)
-    try:
-        with open(path, encoding="utf-8") as handle:
-            document = json.load(handle)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"not valid JSON ({exc.msg} at column {exc.colno})", source=path,
-                         line=exc.lineno, hint="the tree file is corrupt; re-create it with "
-                         "`sptool tree init`") from None
-    except UnicodeDecodeError:
-        raise InputError("not valid UTF-8 text, expected a tree JSON file", source=path) from None
+    from sptool.jsonl import load_json_file
+
+    document = load_json_file(path, what="tree JSON")  # bounded: size, digits, nesting, text
     return validate_tree(document, source=path)
 
 

@@ -241,7 +241,7 @@ class Progress:
 
 
 def waiting_for_stdin_hint(input_path: Optional[str], quiet: bool) -> None:
-    if input_path in (None, "-") and sys.stdin.isatty() and not quiet:
+    if input_path in (None, "-") and sys.stdin is not None and sys.stdin.isatty() and not quiet:
         err_console.print("[dim]sptool: waiting for JSONL on standard input (Ctrl-D to end)…[/dim]")
 
 

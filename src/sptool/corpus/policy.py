@@ -232,7 +232,9 @@ def load_policy(path: str | None = None, *, allow_domains: Iterable[str] = (),
         file = Path(path)
         if not file.is_file():
             raise InputError("no such policy file", source=str(path))
-        kwargs = parse_policy_lines(file.read_text(encoding="utf-8").splitlines(), source=str(path))
+        from sptool.jsonl import read_text_file
+
+        kwargs = parse_policy_lines(read_text_file(file, what="policy").splitlines(), source=str(path))
     kwargs["allow_domains"] += list(allow_domains)
     kwargs["deny_domains"] += list(deny_domains)
     return UrlPolicy(**kwargs, allow_private=allow_private, allow_networks=list(allow_networks))

@@ -205,7 +205,7 @@ class OpenAIBackend:
                 if text_ok:
                     try:
                         answer = json.loads(raw) if raw.strip() else {}
-                    except json.JSONDecodeError:
+                    except (ValueError, RecursionError):
                         answer = {"text": raw}
                     return answer if isinstance(answer, dict) else {"results": answer}
                 return json.loads(raw)

@@ -14,12 +14,11 @@ is cut after the first stop string (``finish_reason`` "stop", ``stop_string`` se
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Callable
 
 from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, split_response_prefix
-from sptool.records import InputError
+from sptool.records import InputError, describe
 
 
 class ScriptedBackend:
@@ -39,25 +38,24 @@ class ScriptedBackend:
         self._position = 0
 
     def _load(self, path: str) -> None:
+        from sptool.jsonl import decode_json, iter_lines
+
         try:
-            handle = open(path, encoding="utf-8")
+            handle = open(path, "rb")
         except OSError as exc:
             raise InputError(f"cannot read script: {exc.strerror}", source=path) from None
         with handle:
-            for number, line in enumerate(handle, 1):
+            for number, line in iter_lines(handle, path):
                 if not line.strip():
                     continue
-                try:
-                    value = json.loads(line)
-                except json.JSONDecodeError:
-                    raise InputError("not valid JSON", source=path, line=number) from None
+                value = decode_json(line, source=path, line=number)
                 if isinstance(value, str):
                     self.queue.append(value)
                 elif isinstance(value, dict) and isinstance(value.get("output"), str):
-                    self.rules.append((re.compile(value.get("match", "")), value["output"]))
+                    self.rules.append((_pattern(value, path, number), value["output"]))
                 elif isinstance(value, dict) and isinstance(value.get("outputs"), list) and value["outputs"] \
                         and all(isinstance(item, str) for item in value["outputs"]):
-                    self.rules.append((re.compile(value.get("match", "")), list(value["outputs"])))
+                    self.rules.append((_pattern(value, path, number), list(value["outputs"])))
                 else:
                     raise InputError("expected a string, {\"match\", \"output\"} or {\"match\", \"outputs\": [...]}", source=path,
                                      line=number)
@@ -102,3 +100,16 @@ class ScriptedBackend:
 
     def close(self) -> None:
         pass
+
+
+def _pattern(rule: dict, source: str, line: int) -> re.Pattern:
+    """A rule's ``match`` regular expression; a bad one is one error at ``source:line``."""
+    match = rule.get("match", "")
+    if not isinstance(match, str):
+        raise InputError(f"expected a string (a regular expression), got {describe(match)}",
+                         source=source, line=line, field="match")
+    try:
+        return re.compile(match)
+    except re.error as exc:
+        raise InputError(f"not a valid regular expression ({exc})", source=source, line=line,
+                         field="match") from None

@@ -147,10 +147,19 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def _shown(value: Any) -> str:
+    """A TOML value in an error message: JSON where it is JSON, else TOML's own spelling (a
+    date, a time)."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return f"{type(value).__name__} {value}"
+
+
 def coerce(key: str, default: Any, value: Any, source: str) -> Any:
     """``value`` checked (and widened int → float) against the type of ``default``."""
     def fail() -> UsageError:
-        return UsageError(f"{source}: key '{key}': expected {_type_name(default)}, got {json.dumps(value)}")
+        return UsageError(f"{source}: key '{key}': expected {_type_name(default)}, got {_shown(value)}")
 
     if isinstance(default, bool):
         if not isinstance(value, bool):
@@ -163,7 +172,10 @@ def coerce(key: str, default: Any, value: Any, source: str) -> Any:
     if isinstance(default, float):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise fail()
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise UsageError(f"{source}: key '{key}': the number {str(value)[:20]}... is too large") from None
     if isinstance(default, str):
         if not isinstance(value, str):
             raise fail()
@@ -173,7 +185,7 @@ def coerce(key: str, default: Any, value: Any, source: str) -> Any:
             value = [value]
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
             raise UsageError(f"{source}: key '{key}': expected a list of non-empty strings, got "
-                             f"{json.dumps(value)}")
+                             f"{_shown(value)}")
         return list(value)
     if isinstance(default, list):
         if not isinstance(value, list) or len(value) != len(default) or \
@@ -251,11 +263,12 @@ def load_config(recipe: str, *, tiny: bool = False, config_file: str | None = No
     if tiny:
         apply_layer(config, tiny_layer, schema, f"recipes/{recipe}.toml [tiny]")
     if config_file:
+        from sptool.jsonl import read_text_file
+
         path = Path(config_file)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise UsageError(f"--config {config_file}: {exc.strerror}") from None
+        if not path.is_file():
+            raise UsageError(f"--config {config_file}: no such file")
+        text = read_text_file(path, what="TOML config")
         layer = _parse_toml(text, config_file)
         named = layer.pop("recipe", recipe)
         if named != recipe:

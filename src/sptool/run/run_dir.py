@@ -17,7 +17,6 @@ killed run leaves only ``.part`` temp files, removed when it resumes.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import threading
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from sptool.jsonl import AtomicJsonlWriter, write_json_atomic
-from sptool.records import RuntimeFailure, UsageError
+from sptool.records import InputError, RuntimeFailure, UsageError
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
@@ -44,18 +43,17 @@ def file_sha256(path: Path) -> str:
 
 def read_jsonl(path: Path) -> list[dict]:
     """A run file's records; a corrupt line is one error naming ``path:line`` (exit 1)."""
-    from sptool.jsonl import loads_strict
+    from sptool.jsonl import decode_json, iter_lines
 
     records = []
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(loads_strict(line))
-            except (ValueError, RecursionError) as exc:
-                raise RuntimeFailure(f"{path}:{number}: corrupt run file ({exc}); restore it or start "
-                                     "a new --run-dir") from None
+    try:
+        with open(path, "rb") as handle:
+            for number, line in iter_lines(handle, str(path)):
+                if line.strip():
+                    records.append(decode_json(line, source=str(path), line=number))
+    except InputError as error:
+        raise RuntimeFailure(f"{error.message}: corrupt run file; restore it or start a new "
+                             "--run-dir") from None
     return records
 
 
@@ -146,7 +144,9 @@ class RunDir:
     def _open(self, config: dict, defaults: dict) -> None:
         recipe = config["recipe"]
         try:
-            self.manifest = json.loads((self.path / MANIFEST).read_text(encoding="utf-8"))
+            from sptool.jsonl import loads_strict
+
+            self.manifest = loads_strict((self.path / MANIFEST).read_text(encoding="utf-8"))
             if not isinstance(self.manifest, dict) or not isinstance(self.manifest.get("stages"), dict) \
                     or not isinstance(self.manifest.get("order"), list):
                 raise ValueError("not a manifest object with 'stages' and 'order'")

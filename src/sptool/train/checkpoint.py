@@ -49,8 +49,10 @@ def read_state(path: str | os.PathLike) -> dict | None:
     if not file.is_file():
         return None
     try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+        from sptool.jsonl import loads_strict
+
+        return loads_strict(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: bad JSON, UTF-8, a refused value
         raise RuntimeFailure(f"cannot read {file}: {exc}") from None
 
 
