@@ -21,6 +21,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("SPTOOL_CACHE", str(REPO / ".cache" / "sptool"))
 SPTOOL = [sys.executable, "-m", "sptool.cli.main"]
 
+# Under pytest-xdist (CI: `-n 2` on 2 cores, one worker per core) each worker and everything it
+# starts (tiny-model runs, vLLM engines, training ranks) computes on one thread, so the two workers
+# never oversubscribe the cores. A value set in the environment wins.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", … under xdist
+if XDIST_WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def read_jsonl(path_or_text) -> list[dict]:
     text = Path(path_or_text).read_text() if isinstance(path_or_text, Path) else path_or_text
@@ -66,3 +73,47 @@ def tiny_model_dir() -> str:
     from sptool.models.resolve import resolve_model
 
     return resolve_model("tiny")
+
+
+# The heaviest work units first (measured on 2 CPU cores), then the other slow tests, then the
+# fast ones, so that under `-n 2 --dist loadgroup` the last units to start are short and neither
+# worker idles at the end. A unit is an xdist_group (tests sharing a loaded engine, server or run)
+# or one test. Without xdist only the order changes: every group stays contiguous, so a module or
+# session fixture is still set up once.
+HEAVY_FIRST = [
+    "served-vllm",                                                   # test_scale_out: server + 4 runs
+    "test_scale_out.py::test_two_processes_train_like_one",
+    "test_scale_out.py::test_vllm_run_builds_one_engine_and_updates_it_after_each_step",
+    "vllm-engines",                                                  # test_backends
+    "test_run.py::test_tiny_recipe_completes_with_the_real_model[wist]",
+    "test_readme.py::test_readme_code_blocks_run_in_order",
+    "test_run.py::test_tiny_recipe_completes_with_the_real_model[rquest]",
+    "test_run.py::test_tiny_recipe_completes_with_the_real_model[svs]",
+    "test_run.py::test_tiny_recipe_completes_with_the_real_model[rzero]",
+    "test_run.py::test_tiny_recipe_completes_with_the_real_model[rlvr]",
+    "scripted-rquest", "scripted-svs", "scripted-wist",              # test_run: shared scripted runs
+]
+
+
+def _unit(item) -> str:
+    """The item's pytest-xdist work unit under ``--dist loadgroup``: its group, or itself."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", ""))
+    return item.nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    rank = {name: index for index, name in enumerate(HEAVY_FIRST)}
+
+    def key(item) -> int:
+        unit = _unit(item)
+        if unit in rank:
+            return rank[unit]
+        for name, index in rank.items():
+            if unit.endswith("/" + name):
+                return index
+        return len(rank) if item.get_closest_marker("slow") else len(rank) + 1
+
+    items.sort(key=key)

@@ -37,13 +37,19 @@ QUESTIONS = [
 ]
 
 
+# The tests sharing the module's engines (the in-process vLLM engine, the served one, the hf
+# backend, the two checkpoints) go to one pytest-xdist worker, which loads each once; module scope
+# frees them (a vLLM server and engine hold GBs) before the worker goes on to other files.
+shares_engines = pytest.mark.xdist_group("vllm-engines")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _small_vllm_engines():
     saved = {key: os.environ.get(key) for key in VLLM_ENV}
     os.environ.update(VLLM_ENV)
@@ -55,7 +61,7 @@ def _small_vllm_engines():
             os.environ[key] = value
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_server(tiny_model_dir, tmp_path_factory):
     """A real vLLM OpenAI server of the tiny model on a free 127.0.0.1 port, started with
     ``sptool serve`` (vLLM's own server, weight-update endpoints and LoRA adapters on; float32
@@ -101,7 +107,7 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
         log.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_backend():
     """One in-process vLLM engine over the tiny model, shared by the library-level tests."""
     if not HAVE_VLLM and not os.environ.get("CI"):
@@ -113,7 +119,7 @@ def vllm_backend():
     backend.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf_backend():
     from sptool.models.base import load_backend
 
@@ -122,7 +128,7 @@ def hf_backend():
     backend.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def checkpoints(tiny_model_dir, tmp_path_factory):
     """Two real train-step checkpoints of the tiny model: full weights and a LoRA adapter (one
     update each, a learning rate large enough to change the greedy output)."""
@@ -233,6 +239,7 @@ def test_solve_through_vllm_backend_cli(sptool, tmp_path):
 
 @pytest.mark.slow
 @requires_vllm
+@shares_engines
 def test_vllm_backend_is_seeded_and_stops_like_hf(vllm_backend, hf_backend):
     from sptool.models.base import SamplingParams
 
@@ -262,6 +269,7 @@ def test_vllm_backend_is_seeded_and_stops_like_hf(vllm_backend, hf_backend):
 
 @pytest.mark.slow
 @requires_vllm
+@shares_engines
 def test_vllm_update_weights_after_train_step_matches_hf(vllm_backend, checkpoints, tiny_model_dir):
     """One engine, new weights after each train step: full weights reloaded in place, a LoRA
     adapter as a new LoRARequest; greedy tokens then equal the hf backend loading the same
@@ -293,6 +301,7 @@ def test_vllm_update_weights_after_train_step_matches_hf(vllm_backend, checkpoin
 
 @pytest.mark.slow
 @requires_vllm
+@shares_engines
 def test_solve_through_openai_backend_against_vllm_serve(sptool, vllm_server, tmp_path):
     questions = write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
     base = vllm_server["base_url"]
@@ -314,6 +323,7 @@ def test_solve_through_openai_backend_against_vllm_serve(sptool, vllm_server, tm
 
 @pytest.mark.slow
 @requires_vllm
+@shares_engines
 def test_openai_wrong_model_name_lists_served_models(sptool, vllm_server, tmp_path):
     questions = write_jsonl(tmp_path / "q.jsonl", QUESTIONS[:1])
     result = sptool("solve", str(questions), "--backend", "openai", "-m", "no-such-model",
@@ -326,6 +336,7 @@ def test_openai_wrong_model_name_lists_served_models(sptool, vllm_server, tmp_pa
 
 @pytest.mark.slow
 @requires_vllm
+@shares_engines
 def test_same_prompts_through_hf_vllm_and_openai_are_comparable(vllm_server, vllm_backend, hf_backend):
     """Greedy decoding of the same rendered prompts through all three backends.
 
@@ -359,6 +370,7 @@ def test_same_prompts_through_hf_vllm_and_openai_are_comparable(vllm_server, vll
 
 @pytest.mark.slow
 @requires_vllm
+@shares_engines
 def test_served_update_weights_matches_hf(vllm_server, checkpoints, tiny_model_dir):
     """`sptool serve` + OpenAIBackend.update_weights over two base URLs (rolling): after each
     update the served greedy tokens equal the in-process hf backend on the same checkpoint; LoRA
@@ -502,6 +514,8 @@ def test_serve_command_enables_weight_updates(tiny_model_dir):
     assert "--enforce-eager" not in argv and env["VLLM_SERVER_DEV_MODE"] == "1"
 
 
+@pytest.mark.slow
+@shares_engines
 def test_response_prefix_and_stop_strings_alike_in_hf_vllm_and_openai(vllm_server, vllm_backend, hf_backend):
     """The reply starts with the prefix (rendered after the assistant header, returned in the
     text) and ends right after the first stop string, with finish_reason "stop", in all three."""
@@ -521,6 +535,7 @@ def test_response_prefix_and_stop_strings_alike_in_hf_vllm_and_openai(vllm_serve
 
 
 @pytest.mark.slow
+@shares_engines
 def test_hf_generation_reports_every_decoding_step(hf_backend):
     """A long generation shows progress before its first record: the hf backend calls the token
     listener after every decoding step with the batch's row count (4 rows, greedy: the steps are

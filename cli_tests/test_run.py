@@ -42,6 +42,29 @@ def random_policy(tmp_path_factory, tiny_model_dir) -> str:
     return str(directory)
 
 
+@pytest.fixture(scope="session")
+def scripted_run(tmp_path_factory, random_policy):
+    """``scripted_run(recipe)``: the uninterrupted scripted run of ``recipe`` (``scripted_args`` as
+    they are), run once per session and read, never changed, by every test that needs it: the
+    every-stage checks, the kill-and-resume references and the report (which works on a copy)."""
+    runs: dict[str, Path] = {}
+
+    def run(recipe: str) -> Path:
+        if recipe not in runs:
+            run_dir = tmp_path_factory.mktemp(f"scripted-{recipe}") / recipe
+            result = run_sptool(*scripted_args(recipe, run_dir, random_policy), env=ENV)
+            assert result.returncode == 0, result.stderr
+            runs[recipe] = run_dir
+        return runs[recipe]
+
+    return run
+
+
+def shares_run(recipe: str):
+    """Tests reading ``scripted_run(recipe)`` go to one pytest-xdist worker, which runs it once."""
+    return pytest.mark.xdist_group(f"scripted-{recipe}")
+
+
 def scripted_args(recipe: str, run_dir: Path, policy: str, *extra: str) -> list[str]:
     args = ["run", "--recipe", recipe, "--tiny", "--run-dir", str(run_dir), "--backend", "scripted",
             "-m", policy, "--set", f'model.script="{SCRIPT}"', "--keep", "1", "-q"]
@@ -198,11 +221,11 @@ def test_stage_seed_depends_on_run_seed_iteration_and_stage():
 # ------------------------------------------------------------------------------ scripted runs
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["svs", "rzero", "rquest", "wist", "rlvr"])
-def test_scripted_recipe_runs_every_stage(recipe, tmp_path, random_policy):
-    run_dir = tmp_path / recipe
-    result = run_sptool(*scripted_args(recipe, run_dir, random_policy), env=ENV)
-    assert result.returncode == 0, result.stderr
+@pytest.mark.parametrize("recipe", [pytest.param("svs", marks=shares_run("svs")), "rzero",
+                                    pytest.param("rquest", marks=shares_run("rquest")),
+                                    pytest.param("wist", marks=shares_run("wist")), "rlvr"])
+def test_scripted_recipe_runs_every_stage(recipe, scripted_run):
+    run_dir = scripted_run(recipe)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     stages = [key.split("/")[1].split("-", 1)[1] for key in manifest["order"]]
     expected = {
@@ -303,11 +326,10 @@ KILL_POINTS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["rquest", "svs"])
-def test_sigkill_then_resume_equals_uninterrupted_run(recipe, tmp_path, random_policy):
-    reference = tmp_path / "reference"
-    result = run_sptool(*scripted_args(recipe, reference, random_policy), env=ENV)
-    assert result.returncode == 0, result.stderr
+@pytest.mark.parametrize("recipe", [pytest.param("rquest", marks=shares_run("rquest")),
+                                    pytest.param("svs", marks=shares_run("svs"))])
+def test_sigkill_then_resume_equals_uninterrupted_run(recipe, tmp_path, random_policy, scripted_run):
+    reference = scripted_run(recipe)
     killed = tmp_path / "killed"
     for point in KILL_POINTS[recipe]:
         args = scripted_args(recipe, killed, random_policy)
@@ -360,11 +382,11 @@ def test_kill_between_checkpoints_replays_the_train_steps_since_the_last_one(tmp
 
 
 @pytest.mark.slow
-def test_resume_trains_again_the_steps_after_the_newest_checkpoint(tmp_path, random_policy):
+@shares_run("svs")
+def test_resume_trains_again_the_steps_after_the_newest_checkpoint(tmp_path, random_policy, scripted_run):
     """Killed in iteration 2 of 2 with no checkpoint written yet (iteration 1 deferred): resume
     replays iteration 1's train step, says so, and matches the uninterrupted run."""
-    reference = tmp_path / "reference"
-    assert run_sptool(*scripted_args("svs", reference, random_policy), env=ENV).returncode == 0
+    reference = scripted_run("svs")
     killed = tmp_path / "killed"
     result = run_sptool(*scripted_args("svs", killed, random_policy),
                         env={**ENV, "SPTOOL_TEST_KILL_AT": "2/train:train-done"})
@@ -419,10 +441,11 @@ def test_resume_accepts_a_run_saved_before_a_key_existed(tmp_path):
 # ------------------------------------------------------------------------------ report
 
 @pytest.mark.slow
-def test_report_writes_pngs_and_summary(tmp_path, random_policy):
+@shares_run("wist")
+def test_report_writes_pngs_and_summary(tmp_path, scripted_run):
     run_dir = tmp_path / "wist"
-    result = run_sptool(*scripted_args("wist", run_dir, random_policy), env=ENV)
-    assert result.returncode == 0, result.stderr
+    shutil.copytree(scripted_run("wist"), run_dir)  # the report writes into the run directory
+    assert not (run_dir / "report").exists()
     result = run_sptool("report", str(run_dir))
     assert result.returncode == 0, result.stderr
     written = {p.name for p in (run_dir / "report").glob("*.png")}

@@ -209,6 +209,9 @@ def server(tmp_path_factory):
         log.close()
 
 
+# the tests of the module's server (and its uninterrupted run) go to one pytest-xdist worker
+shares_server = pytest.mark.xdist_group("served-vllm")
+
 # one request at a time: the server batches nothing across requests, so samples are reproducible
 SERVED_ENV = {"SPTOOL_OPENAI_CONCURRENCY": "1", "SPTOOL_OPENAI_RETRIES": "1"}
 
@@ -245,6 +248,7 @@ def full_run(server, tmp_path_factory):
     return run_dir
 
 
+@shares_server
 def test_served_run_full_weights_reach_the_server(server, full_run):
     trains = [record for record in train_records(full_run) if record.get("checkpoint")]
     assert trains and all(record["weights_update"] == "in-place" for record in trains)
@@ -255,6 +259,7 @@ def test_served_run_full_weights_reach_the_server(server, full_run):
     assert info["weight_version"] == os.path.realpath(last)
 
 
+@shares_server
 def test_served_run_lora_adapters_reach_the_server(server, tmp_path):
     run_dir = tmp_path / "lora"
     result = served_run(server, run_dir, "--set", "train.lora_r=8")
@@ -267,6 +272,7 @@ def test_served_run_lora_adapters_reach_the_server(server, tmp_path):
     assert_served_equals_hf(server, last)
 
 
+@shares_server
 def test_server_lost_mid_run_is_one_line_and_resume_matches(server, full_run, tmp_path):
     """The server goes away after the first update: the run stops with one line (exit 1); the
     server comes back with its start-up weights (as a restart leaves it); `--resume` re-sends
