@@ -75,7 +75,26 @@ def tiny_model_dir() -> str:
     return resolve_model("tiny")
 
 
-# The heaviest work units first (measured on 2 CPU cores), then the other slow tests, then the
+@pytest.fixture(scope="session")
+def random_policy(tmp_path_factory, tiny_model_dir) -> str:
+    """A 1-layer, 16-wide random model with the tiny model's tokenizer: fast to train and save.
+    Defined here, not imported into test modules (an imported fixture is one more per module)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    directory = tmp_path_factory.mktemp("random-policy")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=2048, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+# The heaviest work units first (by their durations on 2 CPU cores), then the other slow tests, then the
 # fast ones, so that under `-n 2 --dist loadgroup` the last units to start are short and neither
 # worker idles at the end. A unit is an xdist_group (tests sharing a loaded engine, server or run)
 # or one test. Without xdist only the order changes: every group stays contiguous, so a module or

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from conftest import read_jsonl, run_sptool, write_jsonl
-from test_run import random_policy  # noqa: F401 - a fixture
 from sptool.gym import MATH_TASKS, generate
 from sptool.verify import VerifyStage
 

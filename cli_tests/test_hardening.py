@@ -687,7 +687,7 @@ def test_temp_files_of_a_killed_run_are_removed_at_the_next_start(tmp_path):
 
 # ---------------------------------------------------------------- 6. run directories
 
-from test_run import ENV as RUN_ENV, random_policy, scripted_args  # noqa: E402,F401 - fixture reuse
+from test_run import ENV as RUN_ENV, scripted_args  # noqa: E402
 
 
 @pytest.mark.slow

@@ -41,7 +41,6 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES, REPO
-from test_run import random_policy  # noqa: F401 - the session fixture, shared
 
 README = REPO / "README.md"
 SCRIPT = FIXTURES / "scripts" / "run_all.jsonl"

@@ -25,24 +25,6 @@ VOLATILE = {"wall_s", "fetched_at", "elapsed_s"}
 # ------------------------------------------------------------------------------ fixtures
 
 @pytest.fixture(scope="session")
-def random_policy(tmp_path_factory, tiny_model_dir) -> str:
-    """A 1-layer, 16-wide random model with the tiny model's tokenizer: fast to train and save."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    directory = tmp_path_factory.mktemp("random-policy")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=2048, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return str(directory)
-
-
-@pytest.fixture(scope="session")
 def scripted_run(tmp_path_factory, random_policy):
     """``scripted_run(recipe)``: the uninterrupted scripted run of ``recipe`` (``scripted_args`` as
     they are), run once per session and read, never changed, by every test that needs it: the

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES, read_jsonl, run_sptool
-from test_run import ENV, random_policy, scripted_args  # noqa: F401 - random_policy is a fixture
+from test_run import ENV, scripted_args
 
 
 def state_of(checkpoint: Path) -> dict:

@@ -10,7 +10,7 @@ import pytest
 from conftest import run_sptool
 from sptool.records import UsageError
 from sptool.run.trackers import flatten, parse_log_with
-from test_run import ENV, random_policy, scripted_args  # noqa: F401 - random_policy is a fixture
+from test_run import ENV, scripted_args
 
 
 def test_flatten_keeps_numbers_only():

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import FIXTURES, read_jsonl, run_sptool
-from test_run import ENV, random_policy, scripted_args  # noqa: F401 - random_policy is a fixture
+from test_run import ENV, scripted_args
 
 LEAKED = FIXTURES / "bench" / "leaked.jsonl"
 
