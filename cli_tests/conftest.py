@@ -100,8 +100,7 @@ def random_policy(tmp_path_factory, tiny_model_dir) -> str:
 # or one test. Without xdist only the order changes: every group stays contiguous, so a module or
 # session fixture is still set up once.
 HEAVY_FIRST = [
-    "served-vllm",                                                   # test_scale_out: server + 4 runs
-    "test_scale_out.py::test_two_processes_train_like_one",
+    "served-vllm",                      # test_scale_out: two-process parity, then the server's runs
     "test_scale_out.py::test_vllm_run_builds_one_engine_and_updates_it_after_each_step",
     "vllm-engines",                                                  # test_backends
     "test_run.py::test_tiny_recipe_completes_with_the_real_model[wist]",

@@ -26,6 +26,11 @@ from test_backends import (HAVE_VLLM, VLLM_ENV, GREEDY_PROMPTS, assert_same_gree
                            requires_vllm)
 
 pytestmark = pytest.mark.slow
+# The served tests (the module's server, its uninterrupted run) and the two-process run go to one
+# pytest-xdist worker: each holds GBs (a vLLM server and a training client; two training ranks),
+# and one worker runs them one after the other. The two-process run comes first, before the
+# server starts.
+shares_server = pytest.mark.xdist_group("served-vllm")
 
 
 def train_records(run_dir: Path) -> list[dict]:
@@ -109,6 +114,65 @@ def assert_generation_follows_checkpoints(run_dir: Path, first: str) -> None:
             assert models <= {expected}, (key, models, expected)
             checked += expected != first and bool(models)
     assert checked, "no generation after an update was checked"
+
+
+# -- several training processes -----------------------------------------------------------------
+
+@shares_server
+def test_two_processes_train_like_one(tmp_path, tiny_model_dir):
+    """`accelerate launch` with two gloo processes: every rank trains on its share, generation
+    calls are split over the ranks, rank 0 alone writes; same records and the same checkpoint
+    weights as one process, up to the summation order of the gradient all-reduce (the weights of
+    the two runs differ by under 1% of what the step moved them, and by under half an Adam step
+    in any single parameter)."""
+    launcher = shutil.which("accelerate") or str(Path(sys.executable).parent / "accelerate")
+    # one question per generate call (4 samples fill the batch), so the solve steps have calls to split
+    # a checkpoint after each iteration: an iteration that trains is compared even when the other
+    # has no group in band
+    # micro-batches of 1,024 tokens: two training processes beside the session's vLLM server
+    # must fit in a CI machine's memory (the default budget was killed for memory)
+    options = ["run", "--recipe", "svs", "--tiny", "-n", "2", "--set", "train.learning_rate=1e-4",
+               "--set", "train.max_tokens_per_micro_batch=1024",
+               "--set", "model.gen_batch_size=4", "--set", "run.checkpoint_every=1", "-q"]
+    single = run_sptool(*options, "--run-dir", str(tmp_path / "one"), timeout=1800)
+    assert single.returncode == 0, single.stderr[-3000:]
+    dual = subprocess.run([launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "sptool.cli.main",
+                           *options[:-1], "--run-dir", str(tmp_path / "two")],
+                          capture_output=True, text=True, timeout=2400,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert dual.returncode == 0, dual.stderr[-3000:]
+    assert "generation: 8 calls over 2 processes" in dual.stderr  # the solve steps were split
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+    hashes_one, hashes_two = step_hashes(one), step_hashes(two)
+    assert hashes_two.keys() == hashes_one.keys()
+    # same records; the sampling log-probs of trained generations (iteration 2 samples from weights
+    # equal within 1e-5) agree within a tolerance, not bit for bit
+    for key in (k for k in hashes_one if not k.endswith("-train") and hashes_one[k] != hashes_two[k]):
+        records_one, records_two = step_records(one, key), step_records(two, key)
+        assert without_logprobs(records_two) == without_logprobs(records_one), key
+        pairs = list(zip(logprob_values(records_one), logprob_values(records_two)))
+        assert pairs and max(abs(a - b) for a, b in pairs) < 1e-3, key
+    trained = [(a, b) for a, b in zip(train_records(one), train_records(two)) if a.get("checkpoint")]
+    assert trained, "no iteration trained: nothing was compared"
+    learning_rate = 1e-4
+    before = weights(Path(tiny_model_dir))  # the weights the first trained iteration started from
+    for a, b in trained:
+        assert a["metrics"]["world_size"] == 1 and b["metrics"]["world_size"] == 2
+        assert b["metrics"]["loss"] == pytest.approx(a["metrics"]["loss"], rel=1e-4, abs=1e-7)
+        wa, wb = weights(one / a["checkpoint"]), weights(two / b["checkpoint"])
+        assert wa.keys() == wb.keys()  # the background copy keeps tied tensors tied, as save does
+        # Adam moves a parameter by about the learning rate whatever its gradient, so a parameter
+        # whose gradient is near zero can differ by up to a step between summation orders
+        # (1.7e-5 at lr 1e-4 with 3 problems, 5.8e-5 with the preset's 8 × 8 in 1,024-token
+        # micro-batches); a rank whose share is lost changes the whole update instead
+        # (measured: the runs are 1.4e-4 of the step's length apart)
+        assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < learning_rate
+        moved = sum(float((wa[k].float() - before[k].float()).pow(2).sum()) for k in wa if k in before) ** 0.5
+        apart = sum(float((wa[k].float() - wb[k].float()).pow(2).sum()) for k in wa) ** 0.5
+        assert moved > 0 and apart < 0.01 * moved, (apart, moved)
+        before = wa
 
 
 # -- served vLLM -------------------------------------------------------------------------------
@@ -209,9 +273,6 @@ def server(tmp_path_factory):
         log.close()
 
 
-# the tests of the module's server (and its uninterrupted run) go to one pytest-xdist worker
-shares_server = pytest.mark.xdist_group("served-vllm")
-
 # one request at a time: the server batches nothing across requests, so samples are reproducible
 SERVED_ENV = {"SPTOOL_OPENAI_CONCURRENCY": "1", "SPTOOL_OPENAI_RETRIES": "1"}
 
@@ -306,61 +367,3 @@ def test_server_lost_mid_run_is_one_line_and_resume_matches(server, full_run, tm
         if a.get("checkpoint"):
             wa, wb = weights(full_run / a["checkpoint"]), weights(run_dir / b["checkpoint"])
             assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) == 0.0
-
-
-# -- several training processes -----------------------------------------------------------------
-
-def test_two_processes_train_like_one(tmp_path, tiny_model_dir):
-    """`accelerate launch` with two gloo processes: every rank trains on its share, generation
-    calls are split over the ranks, rank 0 alone writes; same records and the same checkpoint
-    weights as one process, up to the summation order of the gradient all-reduce (the weights of
-    the two runs differ by under 1% of what the step moved them, and by under half an Adam step
-    in any single parameter)."""
-    launcher = shutil.which("accelerate") or str(Path(sys.executable).parent / "accelerate")
-    # one question per generate call (4 samples fill the batch), so the solve steps have calls to split
-    # a checkpoint after each iteration: an iteration that trains is compared even when the other
-    # has no group in band
-    # micro-batches of 1,024 tokens: two training processes beside the session's vLLM server
-    # must fit in a CI machine's memory (the default budget was killed for memory)
-    options = ["run", "--recipe", "svs", "--tiny", "-n", "2", "--set", "train.learning_rate=1e-4",
-               "--set", "train.max_tokens_per_micro_batch=1024",
-               "--set", "model.gen_batch_size=4", "--set", "run.checkpoint_every=1", "-q"]
-    single = run_sptool(*options, "--run-dir", str(tmp_path / "one"), timeout=1800)
-    assert single.returncode == 0, single.stderr[-3000:]
-    dual = subprocess.run([launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "sptool.cli.main",
-                           *options[:-1], "--run-dir", str(tmp_path / "two")],
-                          capture_output=True, text=True, timeout=2400,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert dual.returncode == 0, dual.stderr[-3000:]
-    assert "generation: 8 calls over 2 processes" in dual.stderr  # the solve steps were split
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
-    hashes_one, hashes_two = step_hashes(one), step_hashes(two)
-    assert hashes_two.keys() == hashes_one.keys()
-    # same records; the sampling log-probs of trained generations (iteration 2 samples from weights
-    # equal within 1e-5) agree within a tolerance, not bit for bit
-    for key in (k for k in hashes_one if not k.endswith("-train") and hashes_one[k] != hashes_two[k]):
-        records_one, records_two = step_records(one, key), step_records(two, key)
-        assert without_logprobs(records_two) == without_logprobs(records_one), key
-        pairs = list(zip(logprob_values(records_one), logprob_values(records_two)))
-        assert pairs and max(abs(a - b) for a, b in pairs) < 1e-3, key
-    trained = [(a, b) for a, b in zip(train_records(one), train_records(two)) if a.get("checkpoint")]
-    assert trained, "no iteration trained: nothing was compared"
-    learning_rate = 1e-4
-    before = weights(Path(tiny_model_dir))  # the weights the first trained iteration started from
-    for a, b in trained:
-        assert a["metrics"]["world_size"] == 1 and b["metrics"]["world_size"] == 2
-        assert b["metrics"]["loss"] == pytest.approx(a["metrics"]["loss"], rel=1e-4, abs=1e-7)
-        wa, wb = weights(one / a["checkpoint"]), weights(two / b["checkpoint"])
-        assert wa.keys() == wb.keys()  # the background copy keeps tied tensors tied, as save does
-        # Adam moves a parameter by about the learning rate whatever its gradient, so a parameter
-        # whose gradient is near zero can differ by up to a step between summation orders
-        # (1.7e-5 at lr 1e-4 with 3 problems, 5.8e-5 with the preset's 8 × 8 in 1,024-token
-        # micro-batches); a rank whose share is lost changes the whole update instead
-        # (measured: the runs are 1.4e-4 of the step's length apart)
-        assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < learning_rate
-        moved = sum(float((wa[k].float() - before[k].float()).pow(2).sum()) for k in wa if k in before) ** 0.5
-        apart = sum(float((wa[k].float() - wb[k].float()).pow(2).sum()) for k in wa) ** 0.5
-        assert moved > 0 and apart < 0.01 * moved, (apart, moved)
-        before = wa
