@@ -716,10 +716,10 @@ def _prepared_run_dir(tmp_path):
     import gc
 
     from sptool.recipes import load_config
-    from sptool.run.driver import RunDriver
+    from sptool.recipes import build_run
 
     run_dir = tmp_path / "run"
-    driver = RunDriver(load_config("svs", tiny=True), run_dir)
+    driver = build_run(load_config("svs", tiny=True), run_dir)
     driver._prepare_dir()
     from sptool.run import run_dir as module
 

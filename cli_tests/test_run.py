@@ -387,37 +387,38 @@ def test_resume_refuses_changed_configuration(tmp_path, random_policy):
     run_dir = tmp_path / "r"
     run_dir.mkdir()
     from sptool.recipes import load_config
-    from sptool.run.driver import RunDriver
+    from sptool.recipes import build_run
 
     config = load_config("rzero", tiny=True)
-    driver = RunDriver(config, run_dir)
+    driver = build_run(config, run_dir)
     driver._prepare_dir()
     changed = load_config("rzero", tiny=True, sets=["samples=6"])
     from sptool.records import UsageError
 
     with pytest.raises(UsageError, match="rzero.samples"):
-        RunDriver(changed, run_dir, resume=True)._prepare_dir()
+        build_run(changed, run_dir, resume=True)._prepare_dir()
     more = load_config("rzero", tiny=True, sets=["run.iterations=3"])
-    RunDriver(more, run_dir, resume=True)._prepare_dir()  # more iterations is fine
+    build_run(more, run_dir, resume=True)._prepare_dir()  # more iterations is fine
 
 
 def test_resume_accepts_a_run_saved_before_a_key_existed(tmp_path):
     """A run directory written before the [eval] section existed resumes when the new keys keep
     their defaults, and is refused when one is set."""
     from sptool.recipes import load_config
-    from sptool.run.driver import MANIFEST, RunDriver
+    from sptool.recipes import build_run
+    from sptool.run.driver import MANIFEST
     from sptool.records import UsageError
 
     run_dir = tmp_path / "r"
-    RunDriver(load_config("svs", tiny=True), run_dir)._prepare_dir()
+    build_run(load_config("svs", tiny=True), run_dir)._prepare_dir()
     manifest = json.loads((run_dir / MANIFEST).read_text())
     del manifest["config"]["eval"]
     del manifest["config"]["svs"]["format_weight"]
     (run_dir / MANIFEST).write_text(json.dumps(manifest))
-    RunDriver(load_config("svs", tiny=True), run_dir, resume=True)._prepare_dir()
+    build_run(load_config("svs", tiny=True), run_dir, resume=True)._prepare_dir()
     (run_dir / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(UsageError, match="eval.every"):
-        RunDriver(load_config("svs", tiny=True, sets=["eval.every=2"]), run_dir, resume=True)._prepare_dir()
+        build_run(load_config("svs", tiny=True, sets=["eval.every=2"]), run_dir, resume=True)._prepare_dir()
 
 
 # ------------------------------------------------------------------------------ report
@@ -560,6 +561,8 @@ def test_last_iteration_without_groups_still_writes_the_deferred_updates(iterati
     session = object.__new__(Session)
     session.replaying = None
     session.config = {"model": {"backend": "hf"}, "run": {"checkpoint_every": 10, "iterations": 2}}
+    session.settings = SimpleNamespace(model=SimpleNamespace(backend="hf"),
+                                       run=SimpleNamespace(checkpoint_every=10, iterations=2))
     policy = object.__new__(Policy)
     policy._trainer = SimpleNamespace(step=3)
     policy.saved_step = 2 if unsaved else 3

@@ -9,7 +9,7 @@ what was sampled. Nothing generated is dropped silently.
 - :class:`DocumentChallengeStage` (WIST §3.4, Eq. 11): G candidate QA pairs per document in JSON
   (``question``, ``correct_answer``, ``answer_type``), checked by the rule validator Γ
   (:func:`gamma_validate`); one ``group_id`` per document.
-- :class:`NothingChallengeStage` (R-Zero / R-Quest questioner): one problem per sample in
+- :class:`QuestionerStage` (``--from nothing``: the R-Zero / R-Quest questioner): one problem per sample in
   ``<question>…</question>`` plus the questioner's own ``\\boxed{}`` answer
   (:func:`parse_questioner_output`); one ``group_id`` per batch of samples.
 - :class:`SolutionChallengeStage` (SvS §3.3, Algorithm 1 lines 11–14): for each correct solution
@@ -441,7 +441,7 @@ def continue_reply(text: str, continuation: str) -> str:
     return text + continuation
 
 
-class NothingChallengeStage(_GeneratingStage):
+class QuestionerStage(_GeneratingStage):
     """R-Zero/R-Quest questioner: ``candidates`` problems per seed, ``batch_size`` per group.
 
     With ``unseeded=True`` the input is ignored and one empty seed is used (no topic); otherwise
@@ -587,8 +587,10 @@ class SolutionChallengeStage(_GeneratingStage):
                         yield record
 
 
+NothingChallengeStage = QuestionerStage  # its old name (after the flag value --from nothing)
+
 MODES: Registry[type[Stage]] = Registry("challenge mode (--from)", {
-    "documents": DocumentChallengeStage, "nothing": NothingChallengeStage,
+    "documents": DocumentChallengeStage, "nothing": QuestionerStage,
     "solutions": SolutionChallengeStage})
 
 

@@ -22,16 +22,16 @@ CRASH_ENV = "SPTOOL_TEST_CRASH_DURING_SAVE"
 _armed_crash: str | None = None  # set by crash_next_checkpoint (in-process, not via os.environ)
 
 
-def kill_requested(key: str, point: str) -> bool:
-    """Does ``SPTOOL_TEST_KILL_AT`` name this step (``iter-0002/05-train``) and point?"""
+def kill_requested(key, point: str) -> bool:
+    """Does ``SPTOOL_TEST_KILL_AT`` name this step and point? ``key`` is the step's
+    :class:`~sptool.run.run_dir.StepKey` (``iter-0002/05-train``: its ``folder``, ``stem``,
+    ``iteration`` and ``name``)."""
     spec = os.environ.get(KILL_ENV)
     if not spec:
         return False
     where, _, wanted = spec.rpartition(":")
-    iteration, stage = key.split("/")
-    name = stage.split("-", 1)[1]
-    targets = {stage, name, f"{iteration}/{stage}", f"{iteration}/{name}",
-               f"{int(iteration.split('-')[1])}/{name}"}
+    targets = {key.stem, key.name, f"{key.folder}/{key.stem}", f"{key.folder}/{key.name}",
+               f"{key.iteration}/{key.name}"}
     return wanted == point and where in targets
 
 

@@ -9,8 +9,6 @@ import typer
 
 from sptool.cli import common
 
-DATA_RECIPES = ("svs", "rlvr")  # recipes that train on a labelled problem set (--data)
-
 
 def register(app: typer.Typer) -> None:
     app.command("run")(run)
@@ -125,8 +123,7 @@ def run(
     Examples: sptool run --recipe rzero --tiny | sptool run --recipe svs --data problems.jsonl
     --set svs.problems=64 --eval held_out.jsonl --eval-every 5 | sptool run --recipe wist --run-dir runs/w1 --resume
     """
-    from sptool.recipes import load_config
-    from sptool.run.driver import RunDriver
+    from sptool.recipes import build_run, data_recipes, load_config
     from sptool.records import UsageError
 
     shortcuts = [(iterations, "run.iterations"), (data, f"{recipe}.data"), (model, "model.policy"),
@@ -138,8 +135,8 @@ def run(
     for value, key in shortcuts:
         if value is None:
             continue
-        if key == f"{recipe}.data" and recipe not in DATA_RECIPES:
-            raise UsageError(f"--data belongs to --recipe {' or '.join(DATA_RECIPES)}")
+        if key == f"{recipe}.data" and recipe not in data_recipes():
+            raise UsageError(f"--data belongs to --recipe {' or '.join(data_recipes())}")
         extra.append(f"{key}={value}" if not isinstance(value, str) else f'{key}="{value}"')
     config = load_config(recipe, tiny=tiny, config_file=config_file, sets=[*extra, *sets])
     if run_dir is None:
@@ -161,7 +158,7 @@ def run(
         progress(event)
         trackers(event)
 
-    driver = RunDriver(config, run_dir, resume=resume, on_event=on_event, log=log)
+    driver = build_run(config, run_dir, resume=resume, on_event=on_event, log=log)
     try:
         summary = driver.run()
     finally:

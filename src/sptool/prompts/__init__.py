@@ -21,7 +21,7 @@ A spec has three parts:
 The questioner also has an optional answer phase (``answer_prefix``, ``answer_stop``,
 ``answer_max_tokens``): after the question phase stops, the reply is continued with
 ``answer_prefix`` and generated until ``answer_stop`` — two short, shape-constrained generations
-instead of one free-form one (see :class:`sptool.challenge.NothingChallengeStage`).
+instead of one free-form one (see :class:`sptool.challenge.QuestionerStage`).
 Packaged prompts carry their own prefix and stop strings; explicit values override them.
 """
 
@@ -236,6 +236,21 @@ def load_prompt(role: str, name_or_path: str | None = None, *, prefix: str | Non
             raise UsageError(f"{role} answer_max_tokens must be >= 1, got {answer_max_tokens}")
         base["answer_max_tokens"] = answer_max_tokens
     return PromptSpec(role=role, name=name, template=template, **base)
+
+
+def prompt_spec(config: dict, role: str) -> PromptSpec:
+    """The :class:`PromptSpec` of ``role`` that a run's ``config['prompts']`` section describes
+    (per role: the prompt, ``ROLE_prefix``, ``ROLE_stop``; the questioner's answer step too)."""
+    p = config["prompts"]
+    options: dict[str, Any] = dict(prefix=p[f"{role}_prefix"] or None, stop=p[f"{role}_stop"] or None)
+    if role == "questioner":
+        options.update(answer_prefix=p["questioner_answer_prefix"] or None,
+                       answer_stop=p["questioner_answer_stop"] or None,
+                       answer_max_tokens=p["questioner_answer_max_tokens"] or None)
+    try:
+        return load_prompt(role, p[role], **options)
+    except UsageError as exc:
+        raise UsageError(f"key 'prompts.{role}': {exc}") from None
 
 
 def load_template(name_or_path: str) -> str:

@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
+from sptool.prompts import prompt_spec  # noqa: F401 - its home is sptool.prompts
 from sptool.records import UsageError
 from sptool.registry import Registry
 
@@ -33,28 +34,19 @@ RECIPE_NAMES = tuple(_PLANS)  # in the order `recipes list` shows them
 
 def sections_for(recipe: str) -> dict[str, type]:
     """Section name -> its dataclass: the shared sections, then the recipe's own."""
-    from sptool.recipes.config import COMMON_SECTIONS
+    from sptool.run.config import COMMON_SECTIONS
 
     return {**COMMON_SECTIONS, recipe: RECIPES.get(recipe).Config}
 
 
-# The prompt roles each recipe asks a model in (sptool.prompts.ROLES). Its [prompts] section has,
-# per role, the prompt (a packaged name or a template file), the response prefix and the stop
-# strings; an empty prefix or stop list means the prompt's own (a packaged prompt brings them).
-PROMPT_ROLES: dict[str, tuple[str, ...]] = {
-    "wist": ("solve", "challenger", "tree"),
-    "svs": ("solve", "synthesis"),
-    "rlvr": ("solve",),
-    "rzero": ("solve", "questioner"),
-    "rquest": ("solve", "validity", "questioner", "novelty"),
-}
-
-
 def prompts_schema(recipe: str) -> dict[str, Any]:
+    """The ``[prompts]`` section of ``recipe``: per prompt role it asks a model in (the recipe
+    class's ``prompt_roles``), the prompt (a packaged name or a template file), the response prefix
+    and the stop strings; an empty prefix or stop list means the prompt's own."""
     from sptool.prompts import default_prompt
 
     section: dict[str, Any] = {}
-    for role in PROMPT_ROLES[recipe]:
+    for role in RECIPES.get(recipe).prompt_roles:
         section[role] = default_prompt(role)
         section[f"{role}_prefix"] = ""
         section[f"{role}_stop"] = []
@@ -64,27 +56,13 @@ def prompts_schema(recipe: str) -> dict[str, Any]:
     return section
 
 
-def prompt_spec(config: dict, role: str):
-    """The :class:`sptool.prompts.PromptSpec` of ``role`` that ``config['prompts']`` describes."""
-    from sptool.prompts import load_prompt
-
-    p = config["prompts"]
-    options: dict[str, Any] = dict(prefix=p[f"{role}_prefix"] or None, stop=p[f"{role}_stop"] or None)
-    if role == "questioner":
-        options.update(answer_prefix=p["questioner_answer_prefix"] or None,
-                       answer_stop=p["questioner_answer_stop"] or None,
-                       answer_max_tokens=p["questioner_answer_max_tokens"] or None)
-    try:
-        return load_prompt(role, p[role], **options)
-    except UsageError as exc:
-        raise UsageError(f"key 'prompts.{role}': {exc}") from None
-
-
 def resolve_prompts(config: dict) -> None:
     """Check every role's prompt and write the prefix and stop strings it uses into the config
     (a packaged prompt's own where the keys are empty), so the run records what it used."""
+    from sptool.prompts import prompt_spec
+
     p = config["prompts"]
-    for role in PROMPT_ROLES[config["recipe"]]:
+    for role in RECIPES.get(config["recipe"]).prompt_roles:
         spec = prompt_spec(config, role)
         p[f"{role}_prefix"], p[f"{role}_stop"] = spec.prefix, list(spec.stop)
         if role == "questioner":
@@ -94,7 +72,7 @@ def resolve_prompts(config: dict) -> None:
 
 def schema_for(recipe: str) -> dict[str, dict[str, Any]]:
     """Every key's default (its type is the default's), derived from the section dataclasses."""
-    from sptool.recipes.config import section_defaults
+    from sptool.run.config import section_defaults
 
     check_recipe_name(recipe)
     schema = {name: section_defaults(cls) for name, cls in sections_for(recipe).items()}
@@ -109,6 +87,22 @@ def check_recipe_name(name: str) -> None:
 def make_recipe(config: dict, session):
     """The plan object of ``config['recipe']`` over ``session`` (a :class:`~sptool.run.session.Session`)."""
     return RECIPES.get(config["recipe"])(config, session)
+
+
+def data_recipes() -> list[str]:
+    """The recipes that train on a labelled problem set (``--data``)."""
+    return [name for name in RECIPE_NAMES if RECIPES.get(name).needs_data]
+
+
+def build_run(config: dict, run_dir, *, resume: bool = False, on_event=None, log=None):
+    """The :class:`~sptool.run.driver.RunDriver` of ``config``'s recipe in ``run_dir``: its
+    session (the run's models), the recipe's plan over it, and the executor."""
+    from sptool.run.driver import RunDriver
+    from sptool.run.run_dir import RunDir
+    from sptool.run.session import Session
+
+    session = Session(config, RunDir(run_dir), log=log)
+    return RunDriver(make_recipe(config, session), resume=resume, on_event=on_event)
 
 
 def recipe_text(name: str) -> str:
@@ -284,7 +278,7 @@ def load_config(recipe: str, *, tiny: bool = False, config_file: str | None = No
 
 def check_values(config: dict, recipe: str) -> None:
     """Range checks that the types alone do not catch (declared on the section dataclasses)."""
-    from sptool.recipes.config import section_object
+    from sptool.run.config import section_object
     from sptool.settings import check_ranges
 
     for section, cls in sections_for(recipe).items():

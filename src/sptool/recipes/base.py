@@ -1,11 +1,13 @@
-"""What every recipe module shares: the :class:`Recipe` base class (config + session + plan)."""
+"""What every recipe module shares: the :class:`Recipe` base class (config + session + plan),
+the record predicates plans use, and the seeded walk through a data set."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
-from sptool.recipes.config import section_object
+from sptool.run.config import section_object
 from sptool.run.steps import Step, StepContext, StepFunction
 
 if TYPE_CHECKING:
@@ -13,13 +15,29 @@ if TYPE_CHECKING:
     from sptool.run.session import Session
 
 
-def is_parsed(record: dict) -> bool:
+def marked_valid(record: dict) -> bool:
     """The generation parsed into a question (``challenge`` did not mark it ``valid: false``)."""
     return record.get("valid") is not False
 
 
 def has_samples(record: dict) -> bool:
     return bool(record.get("samples"))
+
+
+def walk(items: list, count: int, position: int, seed_of: Callable[[int], int]) -> list:
+    """Items ``position·count … (position+1)·count − 1`` of an endless walk through seeded
+    permutations of ``items`` (epoch ``e`` shuffled by ``seed_of(e)``): successive positions draw
+    successive batches, every item once per epoch, none twice in a batch when ``count <= len``."""
+    n = len(items)
+    orders: dict[int, list[int]] = {}
+    out = []
+    for index in range(position * count, (position + 1) * count):
+        epoch, offset = divmod(index, n)
+        if epoch not in orders:
+            orders[epoch] = list(range(n))
+            random.Random(seed_of(epoch)).shuffle(orders[epoch])
+        out.append(items[orders[epoch][offset]])
+    return out
 
 
 class Recipe:
@@ -31,6 +49,9 @@ class Recipe:
 
     name = ""
     Config: type = object                 # the recipe section's dataclass
+    Filter: Any = None                    # its filter stage (sptool.filter): verified records -> groups
+    prompt_roles: tuple[str, ...] = ("solve",)  # the prompt roles it asks a model in ([prompts])
+    needs_data = False                    # trains on a labelled problem set (--data)
     prelude_name = ""                     # what iteration 0 is, when the recipe has one (progress)
 
     def __init__(self, config: dict, session: "Session"):
@@ -50,17 +71,26 @@ class Recipe:
     def restore(self, run_dir: "RunDir") -> None:
         """Recover the recipe's own state (WIST's tree) from a run directory; most have none."""
 
+    def schema(self) -> dict[str, dict[str, Any]]:
+        """Every key's default (what a run directory saved before a key existed had)."""
+        from sptool.recipes import schema_for
+
+        return schema_for(self.name)
+
+    def config_text(self) -> str:
+        """The run's effective configuration as TOML (``config.toml`` of the run directory)."""
+        from sptool.recipes import to_toml
+
+        return to_toml(self.config)
+
     def filter(self, **inputs: str) -> StepFunction:
-        """The recipe's filter (``sptool.filter.FILTERS``): verified records -> training groups.
-        Its settings are the recipe section's fields of the same names; ``inputs`` hands it the
+        """The recipe's filter (its ``Filter``): verified records -> training groups. Its
+        settings are the recipe section's fields of the same names; ``inputs`` hands it the
         output of other steps by keyword."""
         def filter(ctx: StepContext, records: list[dict]) -> list[dict]:
-            from sptool.filter import FILTERS
-
-            filter_class = FILTERS.get(self.name)
             extra = {name: ctx.output(step) for name, step in inputs.items()}
-            stage = filter_class(self.filter_options(filter_class.Options), advantage=self.advantage,
-                                 seed=ctx.seed, **extra)
+            stage = self.Filter(self.filter_options(self.Filter.Options), advantage=self.advantage,
+                                seed=ctx.seed, **extra)
             return ctx.run_stage(stage, records)
         return filter
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sptool.filter.rlvr import RlvrOptions
+from sptool.filter.rlvr import RlvrFilter, RlvrOptions
 from sptool.recipes.svs import Svs
-from sptool.records import UsageError
-from sptool.run.steps import Step
 from sptool.settings import setting
 
 
@@ -29,25 +27,11 @@ class RlvrConfig(RlvrOptions):
 
 
 class Rlvr(Svs):
+    """Plain RLVR: SvS's loop with the synthesis left out."""
+
     name = "rlvr"
+    title = "RLVR"
     Config = RlvrConfig
-
-    def plan(self, iteration: int) -> list[Step]:
-        s, c = self.session, self.c
-        return [
-            Step("sample", self.sample),
-            Step("solve", s.solve(c.samples), inputs=["sample"]),
-            Step("verify", s.verify(pseudo_label=False), inputs=["solve"]),
-            Step("filter", self.filter(), inputs=["verify"]),
-            Step("train", s.train(s.roles()), inputs=["filter"]),
-        ]
-
-    def data(self) -> list[dict]:
-        """The labelled training set (``--data``), read once."""
-        if self._data is None:
-            from sptool.run.session import read_labelled_problems
-
-            if not self.c.data:
-                raise UsageError("rlvr needs a labelled problem set: --data FILE (JSONL with question, answer)")
-            self._data = read_labelled_problems(self.c.data, "RLVR")
-        return self._data
+    Filter = RlvrFilter
+    prompt_roles = ("solve",)
+    synthesizes = False

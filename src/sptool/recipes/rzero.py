@@ -29,12 +29,11 @@ set (validity mode, R_init reward).
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass
 
 from sptool import rewards as R
-from sptool.filter.pseudo_label import RQuestOptions, RZeroOptions
-from sptool.recipes.base import Recipe, has_samples, is_parsed
+from sptool.filter.pseudo_label import RQuestFilter, RQuestOptions, RZeroFilter, RZeroOptions
+from sptool.recipes.base import Recipe, has_samples, marked_valid, walk  # noqa: F401 - walk: API
 from sptool.run.steps import Step, StepContext, stage_seed
 from sptool.settings import setting
 
@@ -104,8 +103,6 @@ class RQuestConfig(RQuestOptions, RoundConfig):
     init_top_p: float = setting(0.99, "nucleus mass of the initialisation's sampling (learning rate, "
                                 "KL and temperature are [train] and [generation]'s)",
                                 "R-Quest Table 6 \"top-p 0.99\"", above=0, maximum=1)
-    bleu_threshold: float = setting(R.BLEU_DISTANCE_THRESHOLD, "unused: R-Quest's questioner reward has "
-                                    "no repetition penalty (kept so R-Zero-style configurations load)")
 
 
 def is_questioner_group(group: dict) -> bool:
@@ -114,22 +111,6 @@ def is_questioner_group(group: dict) -> bool:
 
 def is_math_with_samples(record: dict) -> bool:
     return record.get("mode") == "math" and bool(record.get("samples"))
-
-
-def walk(items: list, count: int, position: int, seed_of) -> list:
-    """Items ``position·count … (position+1)·count − 1`` of an endless walk through seeded
-    permutations of ``items`` (epoch ``e`` shuffled by ``seed_of(e)``): successive positions draw
-    successive batches, every item once per epoch, none twice in a batch when ``count <= len``."""
-    n = len(items)
-    orders: dict[int, list[int]] = {}
-    out = []
-    for index in range(position * count, (position + 1) * count):
-        epoch, offset = divmod(index, n)
-        if epoch not in orders:
-            orders[epoch] = list(range(n))
-            random.Random(seed_of(epoch)).shuffle(orders[epoch])
-        out.append(items[orders[epoch][offset]])
-    return out
 
 
 def replay_count(count: int, share: float) -> int:
@@ -142,55 +123,71 @@ def replay_count(count: int, share: float) -> int:
     return max(1, math.floor(count * share + 0.5))
 
 
+def passes_the_validity_gate(record: dict) -> bool:
+    """R-Quest's validity gate on a voted question: parsed, and g_valid = ½ − u(q) ≥ 0 (at most
+    half the validity samples call it invalid)."""
+    return marked_valid(record) and R.passes_validity_gate(record.get("invalid_frac") or 0)
+
+
 class RZero(Recipe):
+    """R-Zero (§2.1): per round, questioner updates, the round's solver pool, solver updates."""
+
     name = "rzero"
     Config = RZeroConfig
-    novelty_gate = False
+    Filter = RZeroFilter
+    prompt_roles = ("solve", "questioner")
 
     def plan(self, iteration: int) -> list[Step]:
-        s, c = self.session, self.c
+        c = self.c
         steps: list[Step] = []
-        for step in range(1, c.questioner_steps + 1):
+        for step in range(1, c.questioner_steps + 1):        # 1. the questioner learns
             p = f"q{step}-"
-            last = self.propose_and_grade(steps, p, c.questions, novelty=self.novelty_gate, trained=True)
-            steps += [Step(f"{p}filter", self.filter(), inputs=[last], kind="filter"),
-                      Step(f"{p}train", s.train(["questioner"], groups=is_questioner_group),
-                           inputs=[f"{p}filter"], kind="train")]
-        last = self.propose_and_grade(steps, "s-", c.solver_questions, novelty=False, trained=False)
-        steps.append(Step("s-pool", self.pool, inputs=[last], kind="pool"))
-        for step in range(1, c.solver_steps + 1):
-            p = f"s{step}-"
-            steps += [Step(f"{p}rollout", self.rollouts(step), inputs=["s-pool"], kind="solve"),
-                      Step(f"{p}verify", s.verify(pseudo_label=False), inputs=[f"{p}rollout"],
-                           only=has_samples, kind="verify"),
-                      Step(f"{p}filter", self.rollout_groups, inputs=[f"{p}verify"], kind="filter"),
-                      Step(f"{p}train", s.train(["solver"]), inputs=[f"{p}filter"], kind="train")]
+            steps += self.propose(p, c.questions, trained=True)
+            steps += self.vote(p, after=f"{p}challenge", only=marked_valid)
+            steps += self.train_questioner(p, after=f"{p}verify")
+        steps += self.propose("s-", c.solver_questions, trained=False)   # 2. the round's pool
+        steps += self.vote("s-", after="s-challenge", only=marked_valid)
+        steps += self.pool_of("s-", after="s-verify")
+        for step in range(1, c.solver_steps + 1):            # 3. the solver learns
+            steps += self.train_solver(step)
         return steps
 
-    def propose_and_grade(self, steps: list[Step], p: str, questions: int, novelty: bool,
-                          trained: bool) -> str:
-        """Append the steps that propose ``questions`` questions and grade them by majority vote;
-        returns the name of the last one (the filter's input)."""
+    # -- the pieces of a round, each a list of steps ----------------------------------------------
+
+    def propose(self, p: str, questions: int, trained: bool) -> list[Step]:
+        """The questioner writes ``questions`` questions from nothing (``trained``: with their
+        sampling log-probabilities, for its update)."""
+        return [Step(f"{p}challenge", self.write_questions(questions, trained), kind="challenge")]
+
+    def vote(self, p: str, after: str, only) -> list[Step]:
+        """The solver answers each question (those passing ``only``) ``samples`` times; the
+        majority answer is its pseudo-label, its share the agreement p."""
         s, c = self.session, self.c
-        steps.append(Step(f"{p}challenge", self.propose(questions, trained), kind="challenge"))
-        last = self.validity_steps(steps, p, f"{p}challenge")
-        steps += [Step(f"{p}solve", s.solve(c.samples, "math"), inputs=[last], only=self.solvable,
-                       kind="solve"),
-                  Step(f"{p}verify", s.verify(pseudo_label=True), inputs=[f"{p}solve"],
-                       only=is_math_with_samples, kind="verify")]
-        if novelty:
-            steps.append(Step(f"{p}novelty", self.judge_novelty, inputs=[f"{p}verify"], kind="novelty"))
-            return f"{p}novelty"
-        return f"{p}verify"
+        return [Step(f"{p}solve", s.solve(c.samples, "math"), inputs=[after], only=only, kind="solve"),
+                Step(f"{p}verify", s.verify(pseudo_label=True), inputs=[f"{p}solve"],
+                     only=is_math_with_samples, kind="verify")]
 
-    # -- hooks R-Quest overrides ----------------------------------------------------------------
+    def train_questioner(self, p: str, after: str) -> list[Step]:
+        """The questioner's reward per question (the recipe's filter) and its update."""
+        return [Step(f"{p}filter", self.filter(), inputs=[after], kind="filter"),
+                Step(f"{p}train", self.session.train(["questioner"], groups=is_questioner_group),
+                     inputs=[f"{p}filter"], kind="train")]
 
-    def validity_steps(self, steps: list[Step], p: str, last: str) -> str:
-        return last
+    def pool_of(self, p: str, after: str) -> list[Step]:
+        """The round's solver pool: the voted questions the filter keeps for the solver."""
+        return [Step(f"{p}pool", self.pool, inputs=[after], kind="pool")]
 
-    @staticmethod
-    def solvable(record: dict) -> bool:
-        return is_parsed(record)
+    def train_solver(self, step: int) -> list[Step]:
+        """Solver update ``step``: its own batch from the pool, fresh rollouts of the current
+        solver graded against the pool's pseudo-label, the update."""
+        s, p = self.session, f"s{step}-"
+        return [Step(f"{p}rollout", self.rollouts(step), inputs=["s-pool"], kind="solve"),
+                Step(f"{p}verify", s.verify(pseudo_label=False), inputs=[f"{p}rollout"],
+                     only=has_samples, kind="verify"),
+                Step(f"{p}filter", self.rollout_groups, inputs=[f"{p}verify"], kind="filter"),
+                Step(f"{p}train", s.train(["solver"]), inputs=[f"{p}filter"], kind="train")]
+
+    # -- what R-Quest changes in a solver update ----------------------------------------------------
 
     share = 0.0  # replay share of every solver update (R-Quest: rquest.replay_share)
 
@@ -199,38 +196,26 @@ class RZero(Recipe):
 
     # -- step bodies ----------------------------------------------------------------------------
 
-    def propose(self, questions: int, trained: bool):
+    def write_questions(self, questions: int, trained: bool):
         """The questioner writes ``questions`` questions from nothing, ``questioner_group`` per
         prompt (``trained``: with their sampling log-probabilities, for its update)."""
         def challenge(ctx: StepContext, records: list[dict]) -> list[dict]:
-            from sptool.challenge import NothingChallengeStage
+            from sptool.challenge import QuestionerStage
 
-            stage = NothingChallengeStage(self.session.policy("questioner").backend, unseeded=True,
-                                          candidates=questions,
-                                          params=self.session.params(ctx.seed, logprobs=trained),
-                                          batch_size=self.c.questioner_group,
-                                          prompt=self.session.prompt("questioner"))
+            stage = QuestionerStage(self.session.policy("questioner").backend, unseeded=True,
+                                    candidates=questions,
+                                    params=self.session.params(ctx.seed, logprobs=trained),
+                                    batch_size=self.c.questioner_group,
+                                    prompt=self.session.prompt("questioner"))
             return ctx.run_stage(stage, [])
         return challenge
-
-    def judge_novelty(self, ctx: StepContext, records: list[dict]) -> list[dict]:
-        from sptool.novelty import LexicalJudge, NoveltyStage
-
-        judge = (LexicalJudge(self.c.novelty_similarity) if self.c.novelty_judge == "lexical"
-                 else self.session.judge)
-        stage = NoveltyStage(judge, k=self.c.novelty_k, seed=ctx.seed,
-                             max_new_tokens=self.c.novelty_max_tokens, prompt=self.session.prompt("novelty"))
-        return ctx.run_stage(stage, records)
 
     def pool(self, ctx: StepContext, records: list[dict]) -> list[dict]:
         """The round's solver pool: the candidates the filter keeps for the solver (agreement in
         the band, non-empty majority; R-Quest: past the validity gate), each labelled with its
         majority answer (the pseudo-label the fresh rollouts are graded against)."""
-        from sptool.filter import FILTERS
-
-        filter_class = FILTERS.get(self.name)
-        stage = filter_class(self.filter_options(filter_class.Options), questioner=False,
-                             advantage=self.advantage, seed=ctx.seed)
+        stage = self.Filter(self.filter_options(self.Filter.Options), questioner=False,
+                            advantage=self.advantage, seed=ctx.seed)
         groups = ctx.run_stage(stage, records)
         out = []
         for group in groups:
@@ -273,42 +258,99 @@ class RZero(Recipe):
 
 
 class RQuest(RZero):
+    """R-Quest (§3): R-Zero's round with a validity gate before the vote and a novelty gate
+    before the questioner's reward, after a validity initialisation of the solver (iteration 0),
+    replaying that task in every solver update."""
+
     name = "rquest"
     Config = RQuestConfig
-    novelty_gate = True
+    Filter = RQuestFilter
+    prompt_roles = ("solve", "validity", "questioner", "novelty")
     prelude_name = "validity initialisation"
 
     def __init__(self, config: dict, session) -> None:
         super().__init__(config, session)
         self._init_data: list[dict] | None = None
 
-    # -- the validity initialisation (iteration 0) ---------------------------------------------
+    def prelude(self) -> list[Step]:
+        """Iteration 0, the validity initialisation (Table 6): ``init_steps`` solver updates on
+        the labelled set; the last checkpoint starts the self-play solver."""
+        if not self.runs_validity_init():
+            return []
+        steps: list[Step] = []
+        for step in range(1, self.c.init_steps + 1):
+            steps += self.train_validity_init(step)
+        return steps
+
+    def plan(self, iteration: int) -> list[Step]:
+        c = self.c
+        steps: list[Step] = []
+        for step in range(1, c.questioner_steps + 1):        # 1. the questioner learns
+            p = f"q{step}-"
+            steps += self.propose(p, c.questions, trained=True)
+            steps += self.judge_validity(p, after=f"{p}challenge")
+            steps += self.vote(p, after=f"{p}verify-validity", only=passes_the_validity_gate)
+            steps += self.judge_novelty(p, after=f"{p}verify")
+            steps += self.train_questioner(p, after=f"{p}novelty")
+        steps += self.propose("s-", c.solver_questions, trained=False)   # 2. the round's pool
+        steps += self.judge_validity("s-", after="s-challenge")
+        steps += self.vote("s-", after="s-verify-validity", only=passes_the_validity_gate)
+        steps += self.pool_of("s-", after="s-verify")
+        for step in range(1, c.solver_steps + 1):            # 3. the solver learns (with replay)
+            steps += self.train_solver(step)
+        return steps
+
+    # -- the gates and the initialisation, each a list of steps ---------------------------------
+
+    def judge_validity(self, p: str, after: str) -> list[Step]:
+        """u(q): the solver judges each parsed question ``validity_samples`` times in validity
+        mode (it may answer INVALID); the share of INVALID answers is u."""
+        s, c = self.session, self.c
+        return [Step(f"{p}solve-validity", s.solve(c.validity_samples, "validity"), inputs=[after],
+                     only=marked_valid, kind="solve"),
+                Step(f"{p}verify-validity", s.verify(pseudo_label=True), inputs=[f"{p}solve-validity"],
+                     only=has_samples, kind="verify")]
+
+    def judge_novelty(self, p: str, after: str) -> list[Step]:
+        """The frozen judge compares each question with ``novelty_k`` others of the batch."""
+        return [Step(f"{p}novelty", self.novelty, inputs=[after], kind="novelty")]
+
+    def train_validity_init(self, step: int) -> list[Step]:
+        """Initialisation update ``step``: a batch of the labelled set, validity-mode answers,
+        R_init groups, the update (the last one restarts the solver from its checkpoint)."""
+        s, c, p = self.session, self.c, f"init{step}-"
+        return [Step(f"{p}solve", self.init_solve(step), kind="solve"),
+                Step(f"{p}verify", s.verify(pseudo_label=False), inputs=[f"{p}solve"],
+                     only=has_samples, kind="verify"),
+                Step(f"{p}filter", self.validity_groups, inputs=[f"{p}verify"], kind="filter"),
+                Step(f"{p}train", s.train(["solver"], checkpoints="solver-init",
+                                          restart=step == c.init_steps),
+                     inputs=[f"{p}filter"], kind="train")]
 
     def runs_validity_init(self) -> bool:
         """The phase runs unless switched off, or the user brings a solver (``model.solver``)."""
         return (self.c.validity_init and not self.settings.model.solver
                 and not self.settings.train.shared_policy)
 
-    def prelude(self) -> list[Step]:
-        if not self.runs_validity_init():
-            return []
-        s, c = self.session, self.c
-        steps: list[Step] = []
-        for step in range(1, c.init_steps + 1):
-            p = f"init{step}-"
-            steps += [Step(f"{p}solve", self.init_solve(step), kind="solve"),
-                      Step(f"{p}verify", s.verify(pseudo_label=False), inputs=[f"{p}solve"],
-                           only=has_samples, kind="verify"),
-                      Step(f"{p}filter", self.validity_groups, inputs=[f"{p}verify"], kind="filter"),
-                      Step(f"{p}train", s.train(["solver"], checkpoints="solver-init",
-                                                restart=step == c.init_steps),
-                           inputs=[f"{p}filter"], kind="train")]
-        return steps
+    @property
+    def share(self) -> float:
+        return self.c.replay_share
+
+    # -- step bodies ----------------------------------------------------------------------------
+
+    def novelty(self, ctx: StepContext, records: list[dict]) -> list[dict]:
+        from sptool.novelty import LexicalJudge, NoveltyStage
+
+        judge = (LexicalJudge(self.c.novelty_similarity) if self.c.novelty_judge == "lexical"
+                 else self.session.judge)
+        stage = NoveltyStage(judge, k=self.c.novelty_k, seed=ctx.seed,
+                             max_new_tokens=self.c.novelty_max_tokens, prompt=self.session.prompt("novelty"))
+        return ctx.run_stage(stage, records)
 
     def init_data(self) -> list[dict]:
         """The labelled validity-initialisation set (``answer`` INVALID for a flawed problem)."""
         if self._init_data is None:
-            from sptool.run.session import read_labelled_problems
+            from sptool.jsonl import read_labelled_problems
 
             self._init_data = read_labelled_problems(self.c.init_data, "R-Quest's validity initialisation")
         return self._init_data
@@ -331,26 +373,6 @@ class RQuest(RZero):
         from sptool.filter.pseudo_label import ValidityInitFilter
 
         return ctx.run_stage(ValidityInitFilter(advantage=self.advantage, seed=ctx.seed), records)
-
-    # -- self-play ------------------------------------------------------------------------------
-
-    def validity_steps(self, steps: list[Step], p: str, last: str) -> str:
-        """u(q): the solver judges each parsed question ``validity_samples`` times."""
-        s, c = self.session, self.c
-        steps += [Step(f"{p}solve-validity", s.solve(c.validity_samples, "validity"), inputs=[last],
-                       only=is_parsed, kind="solve"),
-                  Step(f"{p}verify-validity", s.verify(pseudo_label=True), inputs=[f"{p}solve-validity"],
-                       only=has_samples, kind="verify")]
-        return f"{p}verify-validity"
-
-    @staticmethod
-    def solvable(record: dict) -> bool:
-        """The validity gate: at most half the validity samples call the question invalid."""
-        return is_parsed(record) and (record.get("invalid_frac") or 0) <= 0.5
-
-    @property
-    def share(self) -> float:
-        return self.c.replay_share
 
     def replay_problems(self, ctx: StepContext, step: int, count: int) -> list[dict]:
         """``count`` replayed initialisation problems for solver step ``step``, walking seeded

@@ -11,12 +11,11 @@ update over all of them. Rewards: :mod:`sptool.rewards` (SvS section); the filte
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 from sptool import rewards as R
-from sptool.filter.svs import SvsOptions
-from sptool.recipes.base import Recipe, has_samples, is_parsed
+from sptool.filter.svs import SvsFilter, SvsOptions
+from sptool.recipes.base import Recipe, has_samples, marked_valid, walk
 from sptool.records import UsageError
 from sptool.run.steps import Step, StepContext, stage_seed
 from sptool.settings import setting
@@ -40,8 +39,16 @@ class SvsConfig(SvsOptions):
 
 
 class Svs(Recipe):
+    """SvS (Algorithm 1): sample, solve, grade; synthesize variants of the under-performing
+    problems and grade them against the original answer; one update over both."""
+
     name = "svs"
+    title = "SvS"
     Config = SvsConfig
+    Filter = SvsFilter
+    prompt_roles = ("solve", "synthesis")
+    needs_data = True
+    synthesizes = True  # plain RLVR (:class:`~sptool.recipes.rlvr.Rlvr`) leaves the synthesis out
 
     def __init__(self, config: dict, session) -> None:
         super().__init__(config, session)
@@ -49,22 +56,24 @@ class Svs(Recipe):
 
     def plan(self, iteration: int) -> list[Step]:
         s, c = self.session, self.c
-        synthesis = self.synthesis_steps()
-        return [
-            Step("sample", self.sample),
-            Step("solve", s.solve(c.samples, trained=True), inputs=["sample"]),
-            Step("verify", s.verify(pseudo_label=False), inputs=["solve"]),
-            *synthesis,
-            Step("filter", self.filter(), inputs=["verify", *(["verify-variants"] if synthesis else [])]),
-            Step("train", s.train(s.roles()), inputs=["filter"]),
-        ]
+        steps = [Step("sample", self.sample),
+                 Step("solve", s.solve(c.samples, trained=True), inputs=["sample"]),
+                 Step("verify", s.verify(pseudo_label=False), inputs=["solve"])]
+        graded = ["verify"]
+        if self.synthesizes:
+            steps += self.synthesis()
+            graded.append("verify-variants")
+        return steps + [Step("filter", self.filter(), inputs=graded),
+                        Step("train", s.train(s.roles()), inputs=["filter"])]
 
-    def synthesis_steps(self) -> list[Step]:
-        """Variational problem synthesis (SvS §3.3); plain RLVR is this plan without them."""
+    def synthesis(self) -> list[Step]:
+        """Variational problem synthesis (SvS §3.3): variants from correct solutions of the
+        under-performing problems, solved and graded against the original answer."""
         s, c = self.session, self.c
         return [
             Step("challenge", self.synthesize, inputs=["verify"]),
-            Step("solve-variants", s.solve(c.samples, trained=True), inputs=["challenge"], only=is_parsed, kind="solve"),
+            Step("solve-variants", s.solve(c.samples, trained=True), inputs=["challenge"],
+                 only=marked_valid, kind="solve"),
             Step("verify-variants", s.verify(pseudo_label=False), inputs=["solve-variants"],
                  only=has_samples, kind="verify"),
         ]
@@ -72,24 +81,22 @@ class Svs(Recipe):
     def data(self) -> list[dict]:
         """The labelled training set (``--data``), read once."""
         if self._data is None:
-            from sptool.run.session import read_labelled_problems
+            from sptool.jsonl import read_labelled_problems
 
             if not self.c.data:
-                raise UsageError("svs needs a labelled problem set: --data FILE "
+                raise UsageError(f"{self.name} needs a labelled problem set: --data FILE "
                                  "(JSONL with question, answer)")
-            self._data = read_labelled_problems(self.c.data, "SvS")
+            self._data = read_labelled_problems(self.c.data, self.title)
         return self._data
 
     def sample(self, ctx: StepContext, records: list[dict]) -> list[dict]:
         """``problems`` problems per iteration, walking seeded permutations of the data set."""
-        data = self.data()
-        n, per = len(data), self.c.problems
+        run_seed = self.settings.run.seed
+        chosen = walk(self.data(), self.c.problems, ctx.iteration - 1,
+                      lambda epoch: stage_seed(run_seed, epoch, "svs-epoch"))
         out = []
-        for position in range((ctx.iteration - 1) * per, ctx.iteration * per):
-            epoch, offset = divmod(position, n)
-            order = list(range(n))
-            random.Random(stage_seed(self.settings.run.seed, epoch, "svs-epoch")).shuffle(order)
-            record = dict(data[order[offset]])
+        for record in chosen:
+            record = dict(record)
             record.setdefault("origin", "dataset")
             out.append(record)
             ctx.advance()

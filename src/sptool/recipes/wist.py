@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from sptool import tree as T
 from sptool.corpus.similarity import DEFAULT_TAU_EMB
-from sptool.filter.wist import WistOptions
+from sptool.filter.wist import WistFilter, WistOptions
 from sptool.recipes.base import Recipe
 from sptool.run.steps import Step, StepContext
 from sptool.settings import setting
@@ -82,6 +82,8 @@ class WistConfig(WistOptions):
 class Wist(Recipe):
     name = "wist"
     Config = WistConfig
+    Filter = WistFilter
+    prompt_roles = ("solve", "challenger", "tree")
 
     def __init__(self, config: dict, session) -> None:
         super().__init__(config, session)

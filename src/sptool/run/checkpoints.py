@@ -24,12 +24,13 @@ from sptool.train.checkpoint import STATE_DIR, STATE_FILE
 RELOADING_BACKENDS = ("vllm", "openai")
 
 
-def checkpoint_due(config: dict, iteration: int) -> bool:
-    """Does a train step of ``iteration`` write its checkpoint?"""
-    if config["model"]["backend"] in RELOADING_BACKENDS:
+def checkpoint_due(settings, iteration: int) -> bool:
+    """Does a train step of ``iteration`` write its checkpoint? (``settings``: the run's typed
+    :class:`~sptool.run.config.Sections`.)"""
+    if settings.model.backend in RELOADING_BACKENDS:
         return True  # the generator reads the new weights from the checkpoint
-    every = config["run"]["checkpoint_every"]
-    return every <= 1 or iteration % every == 0 or iteration >= config["run"]["iterations"]
+    every = settings.run.checkpoint_every
+    return every <= 1 or iteration % every == 0 or iteration >= settings.run.iterations
 
 
 def is_complete(directory: Path) -> bool:

@@ -1,7 +1,8 @@
 """The executor of ``sptool run``: plan -> skip what the manifest has -> run step -> persist.
 
-It knows no recipe. A recipe (``sptool.recipes.RECIPES``) gives each iteration's plan, a list of
-:class:`~sptool.run.steps.Step`; the driver runs the steps in order, each with its own seed
+It knows no recipe. It is handed a recipe object (``sptool.recipes.build_run`` makes one from a
+configuration): its ``session`` (the run's models, :class:`~sptool.run.session.Session`) and
+``plan(iteration)``, a list of :class:`~sptool.run.steps.Step`; the driver runs the steps in order, each with its own seed
 derived from ``(run seed, iteration, step name)``, writes each output atomically and records it
 in the manifest. With ``eval.benchmarks`` it adds a held-out evaluation before the first
 iteration and after every ``eval.every``-th and the last one.
@@ -13,44 +14,43 @@ as an uninterrupted one.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
+from sptool import faults
 from sptool.records import RuntimeFailure
-from sptool.run import faults, watch
+from sptool.run import watch
 from sptool.run.metrics import step_metrics
-from sptool.run.run_dir import MANIFEST, RunDir  # noqa: F401 - MANIFEST is part of the API
-from sptool.run.session import Session
+from sptool.run.run_dir import MANIFEST, StepKey  # noqa: F401 - MANIFEST is part of the API
 from sptool.run.steps import Step, StepContext, run_step, stage_seed
 
 Event = Callable[[dict], None]
 
 
 class RunDriver:
-    """Runs ``config['run']['iterations']`` iterations of ``config['recipe']`` in ``run_dir``."""
+    """Runs ``run.iterations`` iterations of ``recipe`` in its session's run directory.
 
-    def __init__(self, config: dict, run_dir: str | os.PathLike, *, resume: bool = False,
-                 on_event: Event | None = None, log: Callable[[str], None] | None = None):
-        from sptool.recipes import make_recipe
+    ``recipe`` is any object with ``config`` (the effective configuration), ``session``,
+    ``plan(iteration)``, ``prelude()``, ``prelude_name``, ``restore(run_dir)``, ``schema()`` (every
+    key's default) and ``config_text()`` (the configuration as TOML):
+    :class:`sptool.recipes.base.Recipe`."""
 
-        self.config = config
-        self.run_dir = RunDir(run_dir)
+    def __init__(self, recipe: Any, *, resume: bool = False, on_event: Event | None = None):
+        self.recipe = recipe
+        self.config = recipe.config
+        self.session = recipe.session
+        self.settings = self.session.settings
+        self.run_dir = self.session.run_dir
         self.resume = resume
         self.on_event = on_event
-        self.session = Session(config, self.run_dir, log=log)
-        self.recipe = make_recipe(config, self.session)
 
     def emit(self, event: dict) -> None:
         if self.on_event is not None:
             self.on_event(event)
 
     def _prepare_dir(self) -> None:
-        from sptool.recipes import schema_for, to_toml
-
-        self.resume = self.run_dir.prepare(self.config, resume=self.resume,
-                                           defaults=schema_for(self.config["recipe"]),
-                                           config_text=lambda: to_toml(self.config))
+        self.resume = self.run_dir.prepare(self.config, resume=self.resume, defaults=self.recipe.schema(),
+                                           config_text=self.recipe.config_text)
 
     def first_iteration(self) -> int:
         """0 when the recipe has a phase before its iterations (R-Quest's validity
@@ -70,8 +70,8 @@ class RunDriver:
                 steps.append(Step("eval", self.session.evaluate(iteration), kind="eval"))
         if iteration == 0:  # a phase before self-play generates no questions: no curriculum health
             return steps
-        if watch.probe_problems(self.config):
-            steps += watch.probe_steps(self.session, self.config["health"]["probe_samples"])
+        if watch.probe_problems(self.settings):
+            steps += watch.probe_steps(self.session, self.settings.health.probe_samples)
         steps.append(watch.health_step(self.session, steps))
         return steps
 
@@ -80,8 +80,8 @@ class RunDriver:
             self.session.serve_rank()
             return {"run_dir": str(self.run_dir.path), "rank": self.session.dist.rank}
         self.session.eval_sets()  # a bad benchmark file fails here, before the run directory or a model
-        watch.probe_problems(self.config)
-        watch.decontamination_index(self.config)
+        watch.probe_problems(self.settings)
+        watch.decontamination_index(self.settings)
         self._prepare_dir()
         self.session.restore()
         self.recipe.restore(self.run_dir)
@@ -99,7 +99,7 @@ class RunDriver:
                     event["phase"] = self.recipe.prelude_name
                 self.emit(event)
                 for index, step in enumerate(steps, 1):
-                    key = f"iter-{iteration:04d}/{index:02d}-{step.name}"
+                    key = StepKey(iteration, index, step.name)
                     entry = self.run_dir.finished(key)
                     if entry is not None:
                         outputs[step.name] = self.run_dir.reader(key)
@@ -123,16 +123,16 @@ class RunDriver:
         """Resume: train again, in order and from their recorded inputs, the train steps that
         finished after each role's newest complete checkpoint (``run.checkpoint_every``), so the
         weights are those of the uninterrupted run. Their outputs are on disk already."""
-        for key, roles in self.session.replay:
-            iteration = int(key.split("/")[0].split("-")[1])
+        for recorded_key, roles in self.session.replay:
+            key = StepKey.parse(recorded_key)
+            iteration, index = key.iteration, key.index
             steps = self.plan(iteration)
-            index = int(key.split("/")[1].split("-")[0])
             step = steps[index - 1]
-            outputs = {s.name: self.run_dir.reader(f"iter-{iteration:04d}/{i:02d}-{s.name}")
+            outputs = {s.name: self.run_dir.reader(str(StepKey(iteration, i, s.name)))
                        for i, s in enumerate(steps[:index - 1], 1)}
             self.emit({"event": "stage-replayed", "stage": key, "iteration": iteration, "roles": sorted(roles)})
             seed = stage_seed(self.session.settings.run.seed, iteration, step.name)
-            ctx = StepContext(self, iteration, key, step, seed, outputs)
+            ctx = StepContext(self.emit, iteration, key, step, seed, outputs)
             recorded = {r["role"]: r for r in self.run_dir.reader(key)()}
             self.session.replaying = {role: recorded[role].get("checkpoint") for role in roles}
             try:
@@ -147,11 +147,11 @@ class RunDriver:
 
     def _check_health(self, iteration: int, records: list[dict]) -> None:
         """Warn for each health threshold the iteration crosses; stop with ``run.stop_on_collapse``."""
-        reasons = watch.health_warnings(self.config, records[0]) if records else []
+        reasons = watch.health_warnings(self.settings, records[0]) if records else []
         for reason in reasons:
             self.emit({"event": "warning", "iteration": iteration,
                        "message": f"iteration {iteration}: curriculum health: {reason}"})
-        if reasons and self.config["run"]["stop_on_collapse"]:
+        if reasons and self.settings.run.stop_on_collapse:
             raise watch.RunStopped(f"run stopped after iteration {iteration} (run.stop_on_collapse): "
                                    f"{'; '.join(reasons)}. The run is resumable: change the health "
                                    f"thresholds or run.stop_on_collapse and --resume")
@@ -161,11 +161,11 @@ class RunDriver:
         self.emit({"event": "stage", "stage": key, "iteration": iteration, "index": index, "total": total})
         faults.kill_point(key, "start")
         seed = stage_seed(self.session.settings.run.seed, iteration, step.name)
-        ctx = StepContext(self, iteration, key, step, seed, outputs)
+        ctx = StepContext(self.emit, iteration, key, step, seed, outputs)
         begin = time.monotonic()
         records = run_step(ctx, ctx.inputs())
         kind = step.metrics_kind
-        records, contaminated = watch.screen(self.config, ctx, kind, records)
+        records, contaminated = watch.screen(self.settings, ctx, kind, records)
         wall = time.monotonic() - begin
         entry = self.run_dir.write_step(key, kind, records, seed=seed, rejects=ctx.rejects,
                                         documents={name: doc for name, (doc, _) in ctx.documents.items()},
@@ -175,7 +175,7 @@ class RunDriver:
             if summary is not None:
                 metrics[name] = summary
         metrics["rejected"] = len(ctx.rejects)
-        if kind in watch.SCREENED_KINDS and watch.benchmark_paths(self.config):
+        if kind in watch.SCREENED_KINDS and watch.benchmark_paths(self.settings):
             metrics["contaminated"] = contaminated
         entry["metrics_line"] = {"iteration": iteration, "stage": step.name, "kind": kind,
                                  "records": len(records), "wall_s": round(wall, 3), **metrics}

@@ -20,8 +20,9 @@ Per iteration, from the iteration's step outputs (pure functions over records):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable
+
+from sptool.run.config import HealthConfig
 
 BINS = ("0", "(0,0.25]", "(0.25,0.5]", "(0.5,0.75]", "(0.75,1)", "1")
 
@@ -83,18 +84,12 @@ def duplicate_shares(questions: list[str], earlier=None) -> tuple[float | None, 
     return within / len(questions), against
 
 
-@dataclass
-class HealthThresholds:
-    """Alarm levels (each off at its default)."""
-
-    min_valid_rate: float = 0.0
-    max_duplicate_share: float = 1.0
-    min_signal_share: float = 0.0
-    min_pseudo_label_accuracy: float = 0.0
+HealthThresholds = HealthConfig  # the alarm levels are the [health] section's (each off at its default)
 
 
-def collapse_reasons(health: dict, thresholds: HealthThresholds) -> list[str]:
-    """The thresholds an iteration's health crosses, as readable reasons (empty: healthy)."""
+def collapse_reasons(health: dict, thresholds: HealthConfig) -> list[str]:
+    """The thresholds ``[health]`` sets that an iteration's health crosses, as readable reasons
+    (empty: healthy)."""
     reasons = []
 
     def below(key: str, limit: float, what: str) -> None:

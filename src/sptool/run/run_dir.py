@@ -33,6 +33,38 @@ _HELD: dict[str, Any] = {}  # run directories this process has locked (held unti
 FORMAT = 1
 
 
+class StepKey(str):
+    """A step's key, ``iter-0003/07-s1-rollout``: its iteration, its place in the iteration's plan
+    and its name. It is the string (manifest keys, file names), with the three parts parsed once."""
+
+    iteration: int
+    index: int
+    name: str
+
+    def __new__(cls, iteration: int, index: int, name: str) -> "StepKey":
+        key = super().__new__(cls, f"iter-{iteration:04d}/{index:02d}-{name}")
+        key.iteration, key.index, key.name = iteration, index, name
+        return key
+
+    @classmethod
+    def parse(cls, key: str) -> "StepKey":
+        if isinstance(key, StepKey):
+            return key
+        folder, _, stem = key.partition("/")
+        index, _, name = stem.partition("-")
+        return cls(int(folder.split("-", 1)[1]), int(index), name)
+
+    @property
+    def folder(self) -> str:
+        """``iter-0003``"""
+        return self.split("/", 1)[0]
+
+    @property
+    def stem(self) -> str:
+        """``07-s1-rollout`` (the output file's name without ``.jsonl``)."""
+        return self.split("/", 1)[1]
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -261,8 +293,9 @@ class RunDir:
                    documents: dict[str, Any], before_rename: Callable[[], None]) -> dict:
         """Write a step's output (and rejects, documents); returns its manifest entry (no sha yet
         for metrics: the caller adds ``metrics_line``)."""
-        iteration_dir, stem = key.split("/")
-        directory = self.path / iteration_dir
+        key = StepKey.parse(key)
+        stem = key.stem
+        directory = self.path / key.folder
         directory.mkdir(exist_ok=True)
         path = directory / f"{stem}.jsonl"
         entry: dict[str, Any] = {"kind": kind, "output": str(path.relative_to(self.path)),

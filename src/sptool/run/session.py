@@ -20,28 +20,14 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
+from sptool import faults
+from sptool.jsonl import read_labelled_problems  # noqa: F401 - its home was here
 from sptool.records import UsageError, content_id
-from sptool.run import faults
 from sptool.run.checkpoints import RELOADING_BACKENDS, CheckpointWriter, checkpoint_due, is_complete, \
     replay_plan, snapshot
 from sptool.run.run_dir import RunDir, read_jsonl
 from sptool.run.steps import StepContext, StepFunction
 
-
-
-def read_labelled_problems(path: str, user: str) -> list[dict]:
-    """Problems with reference answers (``question``, ``answer``) from JSONL, for ``user`` (named
-    in the error when a line has no answer or the file has no problems)."""
-    from sptool.jsonl import read_records
-    from sptool.records import QUESTION
-
-    problems = list(read_records(path, QUESTION))
-    for number, record in enumerate(problems, 1):
-        if record.get("answer") in (None, ""):
-            raise UsageError(f"{path}:{number}: field 'answer': {user} needs a reference answer")
-    if not problems:
-        raise UsageError(f"{path}: no problems")
-    return problems
 
 
 def pack_completions(groups: list[dict], batch: int) -> list[list[dict]]:
@@ -161,7 +147,7 @@ class Session:
     """Models, graders and held-out sets of one run (loaded lazily, closed at the end)."""
 
     def __init__(self, config: dict, run_dir: RunDir, log: Callable[[str], None] | None = None):
-        from sptool.recipes.config import Sections
+        from sptool.run.config import Sections
 
         self.config = config
         self.settings = Sections.of(config)  # the shared sections, typed
@@ -312,7 +298,7 @@ class Session:
 
     def prompt(self, role: str):
         """The prompt of ``role`` from the run's ``[prompts]`` (a :class:`sptool.prompts.PromptSpec`)."""
-        from sptool.recipes import prompt_spec
+        from sptool.prompts import prompt_spec
 
         return prompt_spec(self.config, role)
 
@@ -475,7 +461,7 @@ class Session:
         that ends it writes one (or every step, for a backend that reloads weights)."""
         if iteration == 0:
             return self.settings.model.backend in RELOADING_BACKENDS
-        return checkpoint_due(self.config, iteration)
+        return checkpoint_due(self.settings, iteration)
 
     def _save(self, ctx: StepContext, name: str, trainer, directory) -> None:
         """Write the checkpoint (under ``ckpt/NAME``): in the background from a CPU copy when the

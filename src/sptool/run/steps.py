@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
+from sptool import faults
 from sptool.jsonl import dumps
 from sptool.records import content_id
-from sptool.run import faults
 from sptool.stage import Stage, StageStats
-
-if TYPE_CHECKING:
-    from sptool.run.driver import RunDriver
 
 StepFunction = Callable[["StepContext", list[dict]], list[dict]]
 Predicate = Callable[[dict], bool]
@@ -56,11 +53,12 @@ def json_copy(records: list[dict]) -> list[dict]:
 
 class StepContext:
     """What a step function sees: its seed, earlier outputs of the iteration, a record counter,
-    the records it dropped, and documents (a tree) to persist beside its output."""
+    the records it dropped, documents (a tree) to persist beside its output, and ``emit``, the
+    executor's event callback (progress)."""
 
-    def __init__(self, driver: "RunDriver", iteration: int, key: str, step: Step, seed: int,
+    def __init__(self, emit: Callable[[dict], None], iteration: int, key: str, step: Step, seed: int,
                  outputs: dict[str, Callable[[], list[dict]]]):
-        self.driver, self.iteration, self.key, self.step = driver, iteration, key, step
+        self.emit, self.iteration, self.key, self.step = emit, iteration, key, step
         self.name = step.name
         self.seed = seed
         self.outputs = outputs
@@ -98,7 +96,7 @@ class StepContext:
         self.count += n
         if self.count == n:
             faults.kill_point(self.key, "mid")
-        self.driver.emit({"event": "progress", "stage": self.key, "items": self.count})
+        self.emit({"event": "progress", "stage": self.key, "items": self.count})
 
     def save_document(self, name: str, document: Any, summary: Any = None) -> None:
         """Persist ``document`` (JSON) as ``NN-step.{name}.json`` and ``{name}.json`` in the run

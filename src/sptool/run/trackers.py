@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sptool.records import UsageError
+from sptool.run.run_dir import StepKey
 
 TRACKERS = ("tensorboard", "trackio", "wandb")
 _PACKAGES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"}
@@ -116,7 +117,7 @@ class TrackerLog:
             step = event["iteration"]
             if metrics.get("after_iteration") is not None:  # held-out evaluations: after iteration N
                 step = metrics["after_iteration"]
-            name = event["stage"].split("/", 1)[-1].split("-", 1)[-1]
+            name = StepKey.parse(event["stage"]).name
             values = flatten({"records": event.get("records"), "wall_s": event.get("wall_s"), **metrics},
                              name)
             self.log(values, step)

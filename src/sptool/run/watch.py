@@ -13,13 +13,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sptool.records import SptoolError, content_id
 from sptool.run.steps import Step, StepContext
 
 if TYPE_CHECKING:
+    from sptool.run.config import Sections
     from sptool.run.session import Session
 
 SCREENED_KINDS = ("challenge", "corpus-fetch")
@@ -32,35 +32,29 @@ class RunStopped(SptoolError):
     exit_code = 3
 
 
-def section(config: Any, name: str) -> Any:
-    """A configuration section with attribute access (a plain dict's or a dataclass)."""
-    value = config[name] if isinstance(config, dict) else getattr(config, name)
-    return SimpleNamespace(**value) if isinstance(value, dict) else value
-
-
 # ---------------------------------------------------------------- decontamination
 
-def benchmark_paths(config: Any) -> list[str]:
-    return [p.strip() for p in section(config, "decontaminate").benchmarks.split(",") if p.strip()]
+def benchmark_paths(settings: "Sections") -> list[str]:
+    return [p.strip() for p in settings.decontaminate.benchmarks.split(",") if p.strip()]
 
 
-def decontamination_index(config: Any):
+def decontamination_index(settings: "Sections"):
     """The benchmark index of ``decontaminate.benchmarks`` (built once per process), or None."""
-    paths = benchmark_paths(config)
+    paths = benchmark_paths(settings)
     if not paths:
         return None
     from sptool.decontaminate import load_index
 
-    d = section(config, "decontaminate")
+    d = settings.decontaminate
     return load_index(paths, ngram=d.ngram, threshold=d.minhash_threshold or None)
 
 
-def screen(config: Any, ctx: StepContext, kind: str, records: list[dict]) -> tuple[list[dict], int]:
+def screen(settings: "Sections", ctx: StepContext, kind: str, records: list[dict]) -> tuple[list[dict], int]:
     """Decontaminate a step's output when it generates questions or fetches documents; returns
     the records and how many were contaminated (marked invalid or dropped to the rejects)."""
     if kind not in SCREENED_KINDS:
         return records, 0
-    index = decontamination_index(config)
+    index = decontamination_index(settings)
     if index is None:
         return records, 0
     from sptool.decontaminate import DecontaminateStage
@@ -73,18 +67,18 @@ def screen(config: Any, ctx: StepContext, kind: str, records: list[dict]) -> tup
 
 # ---------------------------------------------------------------- curriculum health
 
-def probe_problems(config: Any) -> list[dict]:
-    path = section(config, "health").probe
+def probe_problems(settings: "Sections") -> list[dict]:
+    path = settings.health.probe
     if not path:
         return []
-    from sptool.run.session import read_labelled_problems
+    from sptool.jsonl import read_labelled_problems
 
     return read_labelled_problems(path, "the health probe (health.probe)")
 
 
 def probe_steps(session: "Session", samples: int) -> list[Step]:
     """Solve the probe questions ``samples`` times with the solver, vote, grade the majority."""
-    problems = probe_problems(session.config)
+    problems = probe_problems(session.settings)
 
     def probe(ctx: StepContext, records: list[dict]) -> list[dict]:
         return [{**p, "id": p.get("id") or content_id("probe", p["question"])} for p in problems]
@@ -157,13 +151,13 @@ def earlier_questions(session: "Session", iteration: int):
     if iteration <= 1:
         return None
     from sptool.decontaminate import TextIndex
-    from sptool.run.run_dir import read_jsonl
+    from sptool.run.run_dir import StepKey, read_jsonl
 
     index = TextIndex()
     run_dir = session.run_dir
     for key in run_dir.manifest.get("order", []):
         entry = run_dir.manifest["stages"][key]
-        if entry.get("kind") != "challenge" or int(key[5:9]) >= iteration:
+        if entry.get("kind") != "challenge" or StepKey.parse(key).iteration >= iteration:
             continue
         for record in read_jsonl(run_dir.path / entry["output"]):
             if record.get("valid") is not False and isinstance(record.get("question"), str):
@@ -171,10 +165,7 @@ def earlier_questions(session: "Session", iteration: int):
     return index
 
 
-def health_warnings(config: Any, report: dict) -> list[str]:
-    from sptool.run.health import HealthThresholds, collapse_reasons
+def health_warnings(settings: "Sections", report: dict) -> list[str]:
+    from sptool.run.health import collapse_reasons
 
-    h = section(config, "health")
-    return collapse_reasons(report, HealthThresholds(
-        min_valid_rate=h.min_valid_rate, max_duplicate_share=h.max_duplicate_share,
-        min_signal_share=h.min_signal_share, min_pseudo_label_accuracy=h.min_pseudo_label_accuracy))
+    return collapse_reasons(report, settings.health)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sptool.records import RuntimeFailure, UsageError
-from sptool.run.faults import crash_during_save as _maybe_crash  # test-only fault point
+from sptool.faults import crash_during_save as _maybe_crash  # test-only fault point
 
 STATE_DIR = "sptool_state"
 STATE_FILE = "state.json"
