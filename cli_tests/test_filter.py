@@ -89,7 +89,7 @@ def test_non_contiguous_groups_are_refused(sptool, tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", shuffled)
     result = sptool("filter", "--recipe", "wist", str(path))
     assert result.returncode == 2
-    assert "record wa2: field 'group_id'" in result.stderr and "not contiguous" in result.stderr
+    assert f"{path}:3: field 'group_id'" in result.stderr and "not contiguous" in result.stderr  # the line, not 'record wa2'
 
 
 # ------------------------------------------------------------------ WIST

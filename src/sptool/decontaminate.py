@@ -28,7 +28,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
-from sptool.records import Field, InputError, RecordKind, UsageError
+from sptool.records import OPTIONAL_TEXT, Field, describe, InputError, RecordKind, UsageError, record_error
 from sptool.stage import Stage
 
 _WORD = re.compile(r"\w+")
@@ -288,11 +288,14 @@ def load_index(paths: list[str], **options) -> BenchmarkIndex:
 class DecontaminateStage(Stage):
     """Drops records whose ``question`` (or, for WIST documents, ``text``) overlaps a benchmark
     problem; each dropped record carries ``contamination`` (benchmark, problem_id, method, span,
-    similarity) to the rejects. Records with neither field pass through.
+    similarity) to the rejects. Records with neither field pass through; a ``question`` or
+    ``text`` that is not a string is an error (a question wrapped in a list must not evade the gate).
 
     ``mark_invalid``: keep a contaminated question, marked ``valid: false`` with
     ``invalid_reason`` and ``contamination`` (in a self-play loop the questioner then gets the
     penalty of an invalid question, and no solver sees it); documents are still dropped."""
+
+    input_kind = OPTIONAL_TEXT
 
     name = "decontaminate"
 
@@ -312,6 +315,9 @@ class DecontaminateStage(Stage):
 
     def process(self, records: Iterator[dict]) -> Iterator[dict]:
         for record in records:
+            for name in self.fields:
+                if record.get(name) is not None and not isinstance(record[name], str):
+                    raise record_error(f"expected a string, got {describe(record[name])}", record, field=name)
             if not any(isinstance(record.get(name), str) for name in self.fields):
                 self.stats.notes["without question or text, passed through"] += 1
                 yield record

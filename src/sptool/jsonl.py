@@ -21,7 +21,7 @@ import re
 import sys
 from typing import IO, Any, Callable, Iterator
 
-from sptool.records import ANY, InputError, RecordKind, describe
+from sptool.records import ANY, InputError, RecordKind, describe, remember_location
 
 STDIN_NAME = "<stdin>"
 
@@ -241,12 +241,15 @@ def read_records(path: str | os.PathLike | None, kind: RecordKind = ANY, *,
             if not raw.strip():
                 continue
             try:
-                yield _parse_line(raw, kind, source, number)
+                record = _parse_line(raw, kind, source, number)
             except InputError as error:
                 if not skip_invalid:
                     raise
                 if on_invalid:
                     on_invalid(error, raw.decode("utf-8", "replace").rstrip("\r\n"))
+                continue
+            remember_location(record, source, number)
+            yield record
     except (OSError, EOFError) as exc:  # a truncated or corrupt .gz file
         raise InputError(f"cannot read ({exc})", source=source) from None
     finally:

@@ -156,6 +156,30 @@ class RecordKind:
 _BOOLEAN_FIELDS = ("valid",)
 _SAMPLE_BOOLEAN_FIELDS = ("correct",)
 _FRACTION_FIELDS = ("p_hat", "var", "majority_frac", "invalid_frac")
+# Ids and grouping keys: compared, hashed and written into names, so a string or an integer.
+_ID_FIELDS = ("id", "group_id", "doc_id", "path_id", "parent_id", "topic_id")
+
+
+def _check_id(value: Any, name: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise InputError(f"expected a string or an integer id, got {describe(value)}", field=name)
+
+
+def _check_samples(samples: Any) -> None:
+    if samples is None:
+        return
+    if not isinstance(samples, list):
+        raise InputError(f"expected a list, got {describe(samples)} (the samples of `sptool solve`)",
+                         field="samples")
+    for index, sample in enumerate(samples):
+        if not isinstance(sample, dict):
+            raise InputError(f"expected an object, got {describe(sample)}", field=f"samples[{index}]")
+        if not isinstance(sample.get("text"), str):
+            got = "missing" if "text" not in sample else describe(sample["text"])
+            raise InputError(f"expected a string (the completion), got {got}",
+                             field=f"samples[{index}].text")
 
 
 def _check_boolean(value: Any, name: str) -> None:
@@ -174,13 +198,18 @@ def _check_fraction(value: Any, name: str) -> None:
 
 def check_known_fields(record: dict) -> None:
     """Type-check the fields every stage interprets the same way: ``valid`` and each sample's
-    ``correct`` are JSON booleans (or null), ``p_hat``/``var``/``majority_frac``/``invalid_frac``
+    ``correct`` are JSON booleans (or null), ids and grouping keys (``id``, ``group_id``,
+    ``doc_id``, ``path_id``, ``parent_id``, ``topic_id``) strings or integers, every sample an object
+    with a string ``text``, ``p_hat``/``var``/``majority_frac``/``invalid_frac``
     (also under ``verdicts.<mode>``) are numbers in [0, 1] (or null), ``novelty.novel`` a boolean."""
     for name in _BOOLEAN_FIELDS:
         _check_boolean(record.get(name), name)
     for name in _FRACTION_FIELDS:
         _check_fraction(record.get(name), name)
+    for name in _ID_FIELDS:
+        _check_id(record.get(name), name)
     samples = record.get("samples")
+    _check_samples(samples)
     if isinstance(samples, list):
         for index, sample in enumerate(samples):
             if isinstance(sample, dict):
@@ -237,7 +266,61 @@ SOLVED = GeneratedQuestionKind("solved question", (
     Field("samples", (list,), check=_samples_check, help="solutions written by `sptool solve`"),
 ))
 
+LABELLED = RecordKind("labelled problem", (
+    Field("question", (str,), check=_non_empty, help="the problem text"),
+    Field("answer", (str, int, float), help="the reference answer"),
+))
+
+OPTIONAL_TEXT = RecordKind("record with a question or a text", (
+    Field("question", (str,), required=False, nullable=True),
+    Field("text", (str,), required=False, nullable=True),
+))
+
+
+class _LocalDocumentKind(RecordKind):
+    def validate(self, record: Any) -> dict:
+        record = super().validate(record)
+        if not isinstance(record.get("html"), str) and not isinstance(record.get("text"), str):
+            raise InputError("missing, expected a string (the page), or an 'html' string", field="text")
+        return record
+
+
+LOCAL_DOCUMENT = _LocalDocumentKind("local corpus document", (
+    Field("text", (str,), required=False, nullable=True),
+    Field("html", (str,), required=False, nullable=True),
+    Field("url", (str,), required=False, nullable=True),
+    Field("title", (str,), required=False, nullable=True),
+))
+
 ANY = RecordKind("any", ())
+
+
+# Where each record read by :func:`sptool.jsonl.read_records` came from, so that a stage that
+# finds a problem later (a group out of order) names ``source:line`` (keyed by ``id()`` while the
+# record is alive; bounded).
+_LOCATIONS: dict[int, tuple[str, int, Any]] = {}
+_MAX_LOCATIONS = 200_000
+
+
+def remember_location(record: Any, source: str, line: int) -> None:
+    if len(_LOCATIONS) >= _MAX_LOCATIONS:
+        _LOCATIONS.pop(next(iter(_LOCATIONS)))
+    if isinstance(record, dict):
+        _LOCATIONS[id(record)] = (source, line, record.get("id"))
+
+
+def location_of(record: dict) -> tuple[str, int]:
+    """``(source, line)`` of a record read from JSONL, else ``("record ID", 0)``."""
+    found = _LOCATIONS.get(id(record))
+    if found is not None and found[2] == record.get("id"):
+        return found[0], found[1]
+    return f"record {record.get('id')}", 0
+
+
+def record_error(reason: str, record: dict, *, field: str | None = None) -> InputError:
+    """An :class:`InputError` about ``record``, located at its ``source:line`` when known."""
+    source, line = location_of(record)
+    return InputError(reason, source=source, line=line, field=field)
 
 
 def content_id(*parts: Any, length: int = 16) -> str:

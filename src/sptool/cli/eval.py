@@ -48,13 +48,13 @@ def evaluate(
     from sptool.evaluate import evaluate_benchmark, parse_ks
     from sptool.jsonl import AtomicJsonlWriter, read_records
     from sptool.models.base import SamplingParams
-    from sptool.records import QUESTION
+    from sptool.records import LABELLED
 
     common.check_outputs({"--samples-out": samples_out})
     ks = parse_ks(pass_at)
     spec = prompt_options.load("solve")
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens, seed=seed)
-    records_by_name = {name: list(read_records(path, QUESTION))
+    records_by_name = {name: list(read_records(path, LABELLED))  # no answer: file:line
                        for name, path in zip(benchmark_names(benchmarks), benchmarks)}
     engine = backend_options.load(quiet)
     model = backend_options.model

@@ -278,12 +278,11 @@ class LocalSearch:
                                             content_type="text/html" if is_html else "text/plain"))
             return entries
         from sptool.jsonl import read_records
+        from sptool.records import LOCAL_DOCUMENT
 
-        for record in read_records(str(self.path)):
+        for record in read_records(str(self.path), LOCAL_DOCUMENT):  # "text": 5 is an error
             html = record.get("html")
             text = record.get("text")
-            if not isinstance(html, str) and not isinstance(text, str):
-                continue
             number = len(entries) + 1
             url = str(record.get("url") or f"{self.path.resolve().as_uri()}#{number}")
             entries.append(SearchResult(url=url, title=str(record.get("title") or ""), engine=self.name,

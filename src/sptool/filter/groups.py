@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Iterator
 
 from sptool import rewards as R
-from sptool.records import InputError, content_id
+from sptool.records import InputError, content_id, record_error
 from sptool.settings import check_ranges
 from sptool.stage import Stage
 
@@ -78,8 +78,7 @@ def samples_of(record: dict) -> list[dict]:
     if samples is None:
         return []
     if not isinstance(samples, list) or not all(isinstance(s, dict) for s in samples):
-        raise InputError("expected a list of objects (run `sptool solve`)", field="samples",
-                         source=f"record {record.get('id')}")
+        raise record_error("expected a list of objects (run `sptool solve`)", record, field="samples")
     return samples
 
 
@@ -124,8 +123,8 @@ def contiguous_groups(records: Iterable[dict], key: Callable[[dict], Any]) -> It
                 closed.add(current)
             run = []
         if k is not None and k in closed:
-            raise InputError(f"records of group {k!r} are not contiguous; sort the input by group_id",
-                             field="group_id", source=f"record {record.get('id')}")
+            raise record_error(f"records of group {k!r} are not contiguous; sort the input by group_id",
+                               record, field="group_id")
         run.append(record)
         current = k
     if run:
@@ -222,9 +221,9 @@ class TrainingGroupFilter(Stage):
             self.stats.notes[f"{role} groups skipped (no generating prompt or raw output)"] += 1
             return None
         if any(p != prompts[0] for p in prompts[1:]):
-            raise InputError(f"the {role} outputs of group {members[0].get('group_id')!r} come "
-                             "from different prompts; give each prompt its own group_id",
-                             field="group_id", source=f"record {members[0].get('id')}")
+            raise record_error(f"the {role} outputs of group {members[0].get('group_id')!r} come "
+                               "from different prompts; give each prompt its own group_id",
+                               members[0], field="group_id")
         logprobs = ([m["logprobs"] for m in members]
                     if all(isinstance(m.get("logprobs"), list) for m in members) else None)
         return self.group(role, prompts[0], [m["raw"] for m in members], rewards, sources=members,

@@ -85,6 +85,10 @@ def _check_logprob_lists(value: list) -> str | None:
             continue
         if not isinstance(item, list) or any(not _is_number(x) for x in item):
             return f"expected a list of per-token number lists (or null), item {i} is {describe(item)}"
+        positive = next((x for x in item if x > 0), None)
+        if positive is not None:
+            return (f"expected log-probabilities (numbers <= 0), item {i} holds {positive!r} "
+                    "(a probability above 1)")
     return None
 
 
