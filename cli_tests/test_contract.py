@@ -229,6 +229,7 @@ def test_stage_table_covers_every_stage_command():
     not_stages = {"run",                 # the driver; tested in test_run.py
                   "recipes list", "recipes show",  # print packaged recipes, read no records
                   "report",              # reads a run directory
+                  "export",              # reads a run directory, writes a model directory
                   "data gym",            # makes records from generators, reads none
                   "serve",               # starts a vLLM server, reads no records
                   "tree init", "tree show", "tree expand"}  # the tree file, not JSONL records
@@ -388,3 +389,37 @@ def test_fixture_questions_are_valid_question_records():
     records = list(read_records(FIXTURES / "questions.jsonl", QUESTION))
     assert len(records) >= 5
 
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv"])
+@pytest.mark.parametrize("command", [["eval", "--backend", "scripted", "--preset", "math", "-q"],
+                                     ["decontaminate", "--preset", "math", "-q", "-b"]])
+def test_a_bad_row_of_a_parquet_or_csv_problem_set_is_one_line_exit_2(cli_bytes, tmp_path, fmt, command):
+    """Problem sets in the field's formats (sptool.problemsets) fail like a bad JSONL line:
+    ``source:row: field 'x': expected ...``, exit 2, nothing on stdout."""
+    rows = [{"problem": "What is the value of three plus four, written out?", "solution": "\\boxed{7}"},
+            {"problem": "What is the value of two plus two, written out?", "solution": "four"}]
+    if command[0] == "decontaminate":  # only the problem text is read: a missing one is the bad row
+        rows[1]["problem"] = ""
+        got = "null" if fmt == "csv" else 'the string ""'
+        expected = f"field 'problem': expected the problem text (a non-empty string), got {got}"
+    else:
+        expected = "field 'solution': expected a worked solution with a \\boxed{...} answer, got the string \"four\""
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "bench.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        import csv
+
+        path = tmp_path / "bench.csv"
+        with open(path, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, ["problem", "solution"])
+            writer.writeheader()
+            writer.writerows(rows)
+    result = cli_bytes([*command, str(path)], input=b"")
+    assert result.exit_code == 2 and result.stdout == ""
+    row = 3 if fmt == "csv" else 2  # CSV: the file's line (the header is line 1); parquet: the row
+    assert result.stderr.strip().splitlines() == [f"sptool: error: {path}:{row}: {expected}"]

@@ -28,11 +28,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("models", "prompts"),
     # 3 stages (one CLI stage each)
     ("verify", "solve", "challenge", "novelty", "tree", "tree_plot", "decontaminate", "evaluate",
-     "corpus", "titles", "stages"),
+     "corpus", "titles", "stages", "problemsets"),
     # 4 training groups, training, reports, processes
     ("filter", "train", "report", "distributed", "serve"),
     # 5 the executor (knows no recipe)
-    ("run",),
+    ("run", "export"),
     # 6 the papers' loops
     ("recipes",),
     # 7 the command line

@@ -148,6 +148,9 @@ def check_promises(command: Command, cwd: Path, stdout: str, stderr: str) -> Non
             assert re.search(r"\b[1-9]\d* read back", stderr), stderr
         if "--log-with tensorboard" in text:
             assert list((cwd / run_dir.group(1)).rglob("events.out.tfevents.*")), "no tensorboard events"
+    if text.startswith("sptool export"):  # a plain HF model directory with its model card
+        exported = cwd / re.search(r"--output\s+(\S+)", text).group(1)
+        assert (exported / "config.json").is_file() and "huggingface-cli upload" in (exported / "README.md").read_text()
     if text.startswith("sptool recipes list"):
         assert {"wist", "svs", "rzero", "rquest", "rlvr"} <= set(stdout.split())
     if text.startswith("sptool tree show"):

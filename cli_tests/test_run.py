@@ -504,9 +504,16 @@ def test_tiny_recipe_completes_with_the_real_model(recipe, tmp_path):
     if os.environ.get("SPTOOL_SKIP_TINY_RUNS"):
         pytest.skip("SPTOOL_SKIP_TINY_RUNS set")
     run_dir = tmp_path / recipe
+    extra = []
+    if recipe == "rlvr":  # its problems from a `datasets` save_to_disk directory (a DatasetDict)
+        from test_problemsets import save_to_disk
+
+        data = str(save_to_disk(tmp_path / "hf-layout-dir", read_jsonl(FIXTURES / "addition_small_train.jsonl"),
+                                split="train"))
+        extra = ["--data", data]
     start = time.monotonic()
     result = run_sptool("run", "--recipe", recipe, "--tiny", "--run-dir", str(run_dir), "--keep", "1",
-                        "--set", "run.iterations=1", env=ENV, timeout=900)
+                        "--set", "run.iterations=1", *extra, env=ENV, timeout=900)
     wall = time.monotonic() - start
     assert result.returncode == 0, result.stderr
     manifest = json.loads((run_dir / "manifest.json").read_text())
@@ -545,6 +552,15 @@ def test_tiny_recipe_completes_with_the_real_model(recipe, tmp_path):
             assert sum(outcome_counts(step)["kept"] for step in steps if "-q" in step["step"]) > 0, totals
             assert "rejected: novelty gate" in page and "rejected: validity gate" in page
             print(f"\nrquest --tiny gates: {totals}")
+    if recipe == "rlvr":  # the finished run exported, then loaded by transformers and by `sptool solve`
+        from test_problemsets import check_export
+
+        exported = check_export(run_dir, tmp_path, data, curve=False)
+        solved = run_sptool("solve", str(FIXTURES / "questions.jsonl"), "-m", str(exported), "-k", "1",
+                            "--prompt", "direct", "--max-tokens", "4", "-q", env=ENV, timeout=300)
+        assert solved.returncode == 0, solved.stderr
+        records = read_jsonl(solved.stdout)
+        assert records and all(len(r["samples"]) == 1 for r in records)
     print(f"\n{recipe} --tiny (1 iteration): {wall:.0f}s")
 
 

@@ -247,21 +247,22 @@ class TextIndex:
 
 
 class BenchmarkIndex(TextIndex):
-    """A :class:`TextIndex` over the problems of one or more benchmark files (JSONL ``question``,
-    optional ``id``; a bad line is a ``source:line`` error)."""
+    """A :class:`TextIndex` over the problems of one or more benchmark sources (any
+    :mod:`sptool.problemsets` source: JSONL ``question``, optional ``id``; parquet, CSV, a
+    datasets directory, ``hf:``, columns mapped by ``mapping``; a bad row is a ``source:row`` error)."""
 
-    def __init__(self, paths: list[str], **options):
+    def __init__(self, paths: list[str], mapping=None, **options):
         if not paths:
             raise UsageError("decontamination needs at least one --benchmark file")
         super().__init__(**options)
-        from sptool.jsonl import read_records
+        from sptool.problemsets import iter_problems
 
         for path in paths:
             count = 0
-            for number, record in enumerate(read_records(path, BENCHMARK_PROBLEM), start=1):
-                problem_id = record.get("id")
-                self.add(path, str(problem_id) if problem_id is not None else f"#{number}", record["question"])
+            for number, record in iter_problems(path, BENCHMARK_PROBLEM, mapping):
                 count += 1
+                problem_id = record.get("id")
+                self.add(path, str(problem_id) if problem_id is not None else f"#{count}", record["question"])
             if count == 0:
                 raise InputError("no problems in the benchmark file", source=path)
 

@@ -30,6 +30,12 @@ InputArg = typer.Argument(None, help="Input JSONL file (.gz ok); '-' or nothing 
 OutputOpt = typer.Option("-", "-o", "--output", help="Write JSONL here (atomically) instead of stdout.",
                          envvar="SPTOOL_OUTPUT")
 QuietOpt = typer.Option(False, "-q", "--quiet", help="No progress or summary on stderr.")
+PresetOpt = typer.Option(None, "--preset", help="The problem sets' column layout: gsm8k ('#### N' answer "
+                         "line), math (last \\boxed{} of 'solution'), aime (integer 'answer'), numina.")
+QuestionFieldOpt = typer.Option(None, "--question-field", help="The column holding the problem (default: "
+                                "the preset's, else 'question').")
+AnswerFieldOpt = typer.Option(None, "--answer-field", help="The column holding the reference answer "
+                              "(default: the preset's, else 'answer').")
 SkipInvalidOpt = typer.Option(False, "--skip-invalid",
                               help="Skip bad input lines (counted) instead of stopping with exit 2.")
 RejectsOpt = typer.Option(None, "--rejects",

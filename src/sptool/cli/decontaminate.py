@@ -16,8 +16,11 @@ def register(app: typer.Typer) -> None:
 def decontaminate(
     input_path: Optional[str] = common.InputArg,
     benchmarks: List[str] = typer.Option(..., "-b", "--benchmark",
-                                         help="Benchmark JSONL (fields: question, optional id); repeat "
-                                              "for several files."),
+                                         help="Benchmark problem set (JSONL with question, optional id; "
+                                              "parquet, JSON, CSV, a datasets directory, hf:NAME[:CONFIG]"
+                                              "[@SPLIT]); repeat for several."),
+    preset: Optional[str] = common.PresetOpt,
+    question_field: Optional[str] = common.QuestionFieldOpt,
     output: str = common.OutputOpt,
     ngram: int = typer.Option(13, "--ngram", help="Words in a shared run that marks a copy."),
     min_words: int = typer.Option(8, "--min-words",
@@ -42,8 +45,10 @@ def decontaminate(
     minhash), the matched span and the similarity.
     """
     from sptool.decontaminate import DecontaminateStage, load_index
+    from sptool.problemsets import Mapping
 
-    index = load_index(benchmarks, ngram=ngram, min_words=min_words,
+    index = load_index(benchmarks, mapping=Mapping(preset or "", question_field or "").check(),
+                       ngram=ngram, min_words=min_words,
                        threshold=None if no_minhash else minhash_threshold)
     stage = DecontaminateStage(index, mark_invalid=mark_invalid)
     common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,

@@ -17,15 +17,22 @@ def register(app: typer.Typer) -> None:
 
 
 def benchmark_names(paths: List[str]) -> List[str]:
-    """One name per benchmark file: its stem, or its path where two files share a stem."""
-    stems = [Path(path).name.removesuffix(".gz").removesuffix(".jsonl") for path in paths]
+    """One name per benchmark source: its stem (a hub id), or its path where two share a stem."""
+    from sptool.problemsets import source_name
+
+    stems = [source_name(path) for path in paths]
     return [path if stems.count(stem) > 1 else stem for stem, path in zip(stems, paths)]
 
 
 @common.prompt_options("solve")
 @common.backend_options()
 def evaluate(
-    benchmarks: List[str] = typer.Argument(..., help="Benchmark JSONL files (fields: question, answer)."),
+    benchmarks: List[str] = typer.Argument(..., help="Benchmark problem sets: JSONL (question, answer), "
+                                           "parquet, JSON, CSV, a datasets directory (DIR[@SPLIT]) or "
+                                           "hf:NAME[:CONFIG][@SPLIT]."),
+    preset: Optional[str] = common.PresetOpt,
+    question_field: Optional[str] = common.QuestionFieldOpt,
+    answer_field: Optional[str] = common.AnswerFieldOpt,
     samples: int = typer.Option(8, "-k", "--samples", help="Samples per problem (n of pass@k)."),
     pass_at: str = typer.Option("1,8", "--pass-at", help="Comma-separated k values for pass@k (<= samples)."),
     temperature: float = common.TemperatureOpt,
@@ -46,15 +53,18 @@ def evaluate(
     from rich.table import Table
 
     from sptool.evaluate import evaluate_benchmark, parse_ks
-    from sptool.jsonl import AtomicJsonlWriter, read_records
+    from sptool.jsonl import AtomicJsonlWriter
     from sptool.models.base import SamplingParams
+    from sptool.problemsets import Mapping, read_problems
     from sptool.records import LABELLED
 
     common.check_outputs({"--samples-out": samples_out})
+    mapping = Mapping(preset or "", question_field or "", answer_field or "").check()
     ks = parse_ks(pass_at)
     spec = prompt_options.load("solve")
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens, seed=seed)
-    records_by_name = {name: list(read_records(path, LABELLED))  # no answer: file:line
+    records_by_name = {name: read_problems(path, LABELLED, mapping, need_answer=True,  # no answer: file:line
+                                           allow_empty=True)
                        for name, path in zip(benchmark_names(benchmarks), benchmarks)}
     engine = backend_options.load(quiet)
     model = backend_options.model
@@ -71,15 +81,15 @@ def evaluate(
             for record in graded_all:
                 out.write(record)
     if as_json:
-        typer.echo(json.dumps({"model": model, "samples": samples,
+        typer.echo(json.dumps({"model": model, "samples": samples, "preset": None if mapping.plain else mapping.describe(),
                                "benchmarks": [r.as_dict() for r in results]}))
         return
     table = Table(title=f"sptool eval — model {model}, {samples} samples/problem")
-    for column in ("benchmark", "problems", "greedy acc", f"mean@{samples}", *[f"pass@{k}" for k in ks]):
+    for column in ("benchmark", "problems", "preset", "greedy acc", f"mean@{samples}", *[f"pass@{k}" for k in ks]):
         table.add_column(column, justify="right" if column != "benchmark" else "left")
     for r in results:
         greedy = "-" if r.greedy_accuracy is None else f"{r.greedy_accuracy:.3f}"
-        table.add_row(r.name, str(r.problems), greedy, f"{r.mean_at_k:.3f}",
+        table.add_row(r.name, str(r.problems), mapping.describe(), greedy, f"{r.mean_at_k:.3f}",
                       *[f"{r.pass_at[k]:.3f}" if k in r.pass_at else "-" for k in ks])
     from rich.console import Console
 

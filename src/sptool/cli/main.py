@@ -16,7 +16,7 @@ import typer
 from typer.core import TyperGroup
 
 from sptool import __version__
-from sptool.cli import (challenge, corpus, data, decontaminate, eval, filter, novelty, posterior,
+from sptool.cli import (challenge, corpus, data, decontaminate, eval, export, filter, novelty, posterior,
                         recipes, report, run, serve, solve, train, tree, verify)
 from sptool.records import SptoolError
 
@@ -85,7 +85,7 @@ app = typer.Typer(
 # One module per command group (sptool/cli/<name>.py), each with register(app). They import
 # nothing heavy themselves: torch & co. load inside the commands.
 COMMAND_MODULES = (solve, verify, challenge, novelty, filter, tree, posterior, corpus, train, run,
-                   recipes, report, eval, decontaminate, data, serve)
+                   recipes, report, export, eval, decontaminate, data, serve)
 for _module in COMMAND_MODULES:
     _module.register(app)
 

@@ -21,7 +21,7 @@ class RlvrConfig(RlvrOptions):
     """``[rlvr]``: the filter's reward and group settings (:class:`RlvrOptions`) and the loop's
     sampling, with SvS's defaults (§4) where they apply."""
 
-    data: str = setting("", "labelled problems (JSONL question, answer); --data FILE")
+    data: str = setting("", "labelled problems: JSONL, parquet, JSON, CSV, a datasets directory or hf:NAME[:CONFIG][@SPLIT] (data.* maps columns); --data SOURCE")
     problems: int = setting(256, "problems sampled per iteration", "SvS §4", minimum=1)
     samples: int = setting(8, "solutions per problem G", "SvS §4", minimum=1)
 

@@ -350,7 +350,7 @@ class RQuest(RZero):
     def init_data(self) -> list[dict]:
         """The labelled validity-initialisation set (``answer`` INVALID for a flawed problem)."""
         if self._init_data is None:
-            from sptool.jsonl import read_labelled_problems
+            from sptool.problemsets import read_labelled_problems
 
             self._init_data = read_labelled_problems(self.c.init_data, "R-Quest's validity initialisation")
         return self._init_data

@@ -26,7 +26,7 @@ class SvsConfig(SvsOptions):
     """``[svs]``: the filter's synthesis band and solver reward (:class:`SvsOptions`) and the
     loop's settings. Defaults: SvS §4 "Implementation Details"."""
 
-    data: str = setting("", "labelled problems (JSONL question, answer); --data FILE")
+    data: str = setting("", "labelled problems: JSONL, parquet, JSON, CSV, a datasets directory or hf:NAME[:CONFIG][@SPLIT] (data.* maps columns); --data SOURCE")
     problems: int = setting(256, "problems sampled per iteration", "SvS §4", minimum=1)
     samples: int = setting(8, "solutions per problem G", "SvS §4", minimum=1)
     variants: int = setting(8, "variants written per correct solution G_v", "SvS §4", minimum=1)
@@ -81,12 +81,12 @@ class Svs(Recipe):
     def data(self) -> list[dict]:
         """The labelled training set (``--data``), read once."""
         if self._data is None:
-            from sptool.jsonl import read_labelled_problems
+            from sptool.problemsets import mapping_of, read_labelled_problems
 
             if not self.c.data:
                 raise UsageError(f"{self.name} needs a labelled problem set: --data FILE "
                                  "(JSONL with question, answer)")
-            self._data = read_labelled_problems(self.c.data, self.title)
+            self._data = read_labelled_problems(self.c.data, self.title, mapping_of(self.settings))
         return self._data
 
     def sample(self, ctx: StepContext, records: list[dict]) -> list[dict]:

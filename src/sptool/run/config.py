@@ -90,9 +90,26 @@ class VerifyConfig:
                                   "extraction too)")
 
 
+PRESET_CHOICES = ("", "gsm8k", "math", "aime", "numina")  # sptool.problemsets.PRESETS, kept light here
+
+
+@dataclass
+class DataConfig:
+    preset: str = setting("", "the training set's (--data) column layout: gsm8k ('#### N' answer line), "
+                          "math (last \\boxed{} of solution), aime (integer answer), numina; empty: "
+                          "question, answer", choices=PRESET_CHOICES)
+    question_field: str = setting("", "the training set's column holding the problem (empty: the preset's, "
+                                  "else question)")
+    answer_field: str = setting("", "the training set's column holding the reference answer (empty: the "
+                                "preset's, else answer)")
+
+
 @dataclass
 class EvalConfig:
-    benchmarks: str = setting("", "held-out JSONL files (question, answer), comma-separated; empty: off")
+    benchmarks: str = setting("", "held-out problem sets (JSONL, parquet, JSON, CSV, a datasets directory, "
+                              "hf:NAME[:CONFIG][@SPLIT]), comma-separated; empty: off")
+    preset: str = setting("", "the held-out sets' column layout (as data.preset); empty: question, answer",
+                          choices=PRESET_CHOICES)
     every: int = setting(0, "also evaluate after every N-th iteration (0: before and after only)",
                          minimum=0)
     samples: int = setting(4, "sampled solutions per problem (mean@k, pass@k); greedy is extra; "
@@ -130,7 +147,7 @@ class HealthConfig:
 COMMON_SECTIONS: dict[str, type] = {
     "run": RunConfig, "model": ModelConfig, "generation": GenerationConfig, "train": TrainSection,
     "verify": VerifyConfig, "decontaminate": DecontaminateConfig, "health": HealthConfig,
-    "eval": EvalConfig,
+    "eval": EvalConfig, "data": DataConfig,
 }
 
 
@@ -157,6 +174,7 @@ class Sections:
     decontaminate: DecontaminateConfig
     health: HealthConfig
     eval: EvalConfig
+    data: DataConfig
 
     @classmethod
     def of(cls, config: dict) -> "Sections":

@@ -82,6 +82,8 @@ class RunDriver:
         self.session.eval_sets()  # a bad benchmark file fails here, before the run directory or a model
         watch.probe_problems(self.settings)
         watch.decontamination_index(self.settings)
+        if getattr(self.recipe, "needs_data", False):
+            self.recipe.data()  # and a bad --data row (svs, rlvr)
         self._prepare_dir()
         self.session.restore()
         self.recipe.restore(self.run_dir)

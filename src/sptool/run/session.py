@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sptool import faults
-from sptool.jsonl import read_labelled_problems  # noqa: F401 - its home was here
+from sptool.problemsets import read_labelled_problems  # noqa: F401 - its home was here
 from sptool.records import UsageError, content_id
 from sptool.run.checkpoints import RELOADING_BACKENDS, CheckpointWriter, checkpoint_due, is_complete, \
     replay_plan, snapshot
@@ -317,8 +317,10 @@ class Session:
         if self._eval_sets is None:
             self._eval_sets = []
             for path in [p.strip() for p in self.settings.eval.benchmarks.split(",") if p.strip()]:
-                problems = read_labelled_problems(path, "a held-out benchmark")
-                name = Path(path).name.split(".")[0]
+                from sptool.problemsets import Mapping, source_name
+
+                problems = read_labelled_problems(path, "a held-out benchmark", Mapping(self.settings.eval.preset))
+                name = source_name(path)
                 if any(name == known for known, _ in self._eval_sets):
                     name = path  # two files with one stem: tell them apart by path
                 self._eval_sets.append((name, problems))

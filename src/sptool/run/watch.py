@@ -45,8 +45,11 @@ def decontamination_index(settings: "Sections"):
         return None
     from sptool.decontaminate import load_index
 
+    from sptool.problemsets import Mapping
+
     d = settings.decontaminate
-    return load_index(paths, ngram=d.ngram, threshold=d.minhash_threshold or None)
+    return load_index(paths, ngram=d.ngram, threshold=d.minhash_threshold or None,
+                      mapping=Mapping(settings.eval.preset))
 
 
 def screen(settings: "Sections", ctx: StepContext, kind: str, records: list[dict]) -> tuple[list[dict], int]:
@@ -71,7 +74,7 @@ def probe_problems(settings: "Sections") -> list[dict]:
     path = settings.health.probe
     if not path:
         return []
-    from sptool.jsonl import read_labelled_problems
+    from sptool.problemsets import read_labelled_problems
 
     return read_labelled_problems(path, "the health probe (health.probe)")
 
