@@ -39,6 +39,16 @@ def write_jsonl(path: Path, records) -> Path:
     return path
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a server or an `accelerate launch` rendezvous: two
+    pytest-xdist workers must not both take accelerate's default 29500)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run_sptool(*args: str, input: str | None = None, timeout: float = 600, env: dict | None = None,
                cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run ``sptool ARGS`` as a real subprocess (text mode)."""

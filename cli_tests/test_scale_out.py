@@ -137,6 +137,7 @@ def test_two_processes_train_like_one(tmp_path, tiny_model_dir):
     single = run_sptool(*options, "--run-dir", str(tmp_path / "one"), timeout=1800)
     assert single.returncode == 0, single.stderr[-3000:]
     dual = subprocess.run([launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                           "--main_process_port", str(free_port()),
                            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "sptool.cli.main",
                            *options[:-1], "--run-dir", str(tmp_path / "two")],
                           capture_output=True, text=True, timeout=2400,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_jsonl, write_jsonl
+from conftest import free_port, read_jsonl, write_jsonl
 
 torch = pytest.importorskip("torch")
 
@@ -475,6 +475,7 @@ def test_accelerate_two_processes_equal_one_process(cli, random_model_dir, tmp_p
     # torchrun-style workers, and sptool's Accelerator(cpu=True) picks gloo on this CPU machine.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run([launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                          "--main_process_port", str(free_port()),
                           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "sptool.cli.main",
                           "train-step", str(groups), "-m", random_model_dir, "-o", str(tmp_path / "dual"),
                           "--metrics", str(tmp_path / "dual.jsonl"), *options],
