@@ -163,7 +163,7 @@ def show(
     elif fmt == "png":
         if not output:
             raise UsageError("--format png needs -o FILE.png")
-        from sptool.tree_plot import plot_tree
+        from sptool.tree.plot import plot_tree
         plot_tree(tree, rows, output)
         common.err_console.print(f"tree show: wrote {output} ({len(rows)} nodes)", markup=False)
     elif fmt == "text":
