@@ -374,17 +374,3 @@ def write_text_atomic(path: str | os.PathLike, text: str, *, option: str = "--ou
         except FileNotFoundError:
             pass
         raise
-
-
-def read_labelled_problems(path: str, user: str) -> list[dict]:
-    """Problems with reference answers (``question``, ``answer``) from JSONL, for ``user`` (named
-    in the error when a line has no answer or the file has no problems)."""
-    from sptool.records import QUESTION, UsageError
-
-    problems = list(read_records(path, QUESTION))
-    for number, record in enumerate(problems, 1):
-        if record.get("answer") in (None, ""):
-            raise UsageError(f"{path}:{number}: field 'answer': {user} needs a reference answer")
-    if not problems:
-        raise UsageError(f"{path}: no problems")
-    return problems
