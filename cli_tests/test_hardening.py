@@ -773,8 +773,8 @@ def test_a_corrupt_pool_file_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("setting, expected", [
-    ("verify.deadline_s=-1", "key 'verify.deadline_s': must be > 0, got -1"),
-    ("train.learning_rate=-1", "key 'train.learning_rate': must be > 0, got -1"),
+    ("verify.deadline_s=-1", "key 'verify.deadline_s': must be in (0, 604800], got -1"),
+    ("train.learning_rate=-1", "key 'train.learning_rate': must be in (0, 1], got -1"),
     ("train.learning_rate=inf", "key 'train.learning_rate': must be a finite number, got inf"),
 ])
 def test_run_refuses_bad_config_values_before_any_work(tmp_path, setting, expected):

@@ -115,7 +115,7 @@ def evaluate_benchmark(name: str, records: Iterable[dict], backend: Backend, *, 
 
 def parse_ks(text: str) -> tuple[int, ...]:
     try:
-        ks = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+        ks = tuple(sorted({int(part) for part in text.split(",")}))  # "1,,2": an empty k is an error
     except ValueError:
         raise UsageError(f"--pass-at expects comma-separated integers, got '{text}'") from None
     if not ks or min(ks) < 1:

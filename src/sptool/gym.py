@@ -95,6 +95,10 @@ def generate(task: str, *, n: int, seed: int, config: dict | None = None) -> Ite
                "gym": {"seed": seed, "index": index, "config": _plain(config)}, "metadata": metadata}
 
 
+#: the largest magnitude of a numeric ``--param`` (``max_digits=1e308`` hung the generator)
+MAX_PARAM = 1e6
+
+
 def parse_params(params: list[str]) -> dict:
     """``KEY=VALUE`` pairs (VALUE as JSON when it parses, else a string)."""
     config = {}
@@ -106,6 +110,10 @@ def parse_params(params: list[str]) -> dict:
             config[key.strip()] = loads_strict(value)
         except ValueError:  # not JSON (or a refused value): the text itself
             config[key.strip()] = value
+        number = config[key.strip()]
+        if isinstance(number, (int, float)) and not isinstance(number, bool) and abs(number) > MAX_PARAM:
+            raise UsageError(f"--param {key.strip()}={value}: must be within ±{MAX_PARAM:g} (a larger "
+                             "task parameter makes generation unbounded)")
     return config
 
 

@@ -112,6 +112,12 @@ LIMITS: dict[str, Limit] = {
     "normaliser_length": ints(1, None),
     "tensor_parallel_size": ints(1, 1024),
     "seed": ints(0, MAX_SEED),
+    "n": ints(1, 10_000_000, "problems per task"),
+    "iterations": ints(1, 1_000_000, "outer iterations"),
+    "min_words": ints(1, 100_000),
+    "ngram": ints(1, 10_000),
+    "max_model_len": ints(1, 10_000_000),
+    "gpu_memory_utilization": floats(0, 1, low_open=True),
     # times (seconds): finite and positive
     "deadline": floats(0, 7 * 86400, low_open=True),
     "timeout": floats(0, 86400, low_open=True),
@@ -145,6 +151,67 @@ LIMITS: dict[str, Limit] = {
 }
 
 
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
+
+
+def device_error(value: str) -> str | None:
+    """``cpu``, ``cuda``, ``cuda:N``, ``mps``, ``auto`` (or empty: the default); else what is wrong."""
+    import re
+
+    if value in ("", *DEVICES) or re.fullmatch(r"cuda:\d{1,4}", value):
+        return None
+    from sptool.registry import unknown_name_error
+
+    return str(unknown_name_error("device", value, [*DEVICES, "cuda:N"]))
+
+
+def _objectives() -> list[str]:
+    from sptool.train.losses import OBJECTIVES
+
+    return OBJECTIVES.names()
+
+
+def _backends() -> list[str]:
+    from sptool.models.base import BACKENDS
+
+    return BACKENDS.names()
+
+
+#: parameter name -> its allowed values (a tuple, or a function of none returning them); checked
+#: with did-you-mean before any work, by option and by recipe setting alike
+CHOICES: dict[str, Any] = {
+    "dtype": DTYPES,
+    "mixed_precision": MIXED_PRECISIONS,
+    "wiki_api": ("search", "opensearch"),
+    "loss": _objectives,
+    "backend": _backends,
+}
+
+
+#: string options that an empty value would turn into nonsense (``--stop ''`` ends every
+#: generation before its first token)
+NON_EMPTY_STRINGS = frozenset({"stop"})
+
+
+def choice_error(name: str, value: Any) -> str | None:
+    """What is wrong with ``value`` for the choice parameter ``name`` (None: fine or not a choice)."""
+    if value is None or not isinstance(value, str):
+        return None
+    if name == "device":
+        return device_error(value)
+    allowed = CHOICES.get(name)
+    if allowed is None:
+        return None
+    names = list(allowed() if callable(allowed) else allowed)
+    if value in names or (value == "" and name in ("dtype",)):
+        return None
+    from sptool.registry import unknown_name_error
+
+    return str(unknown_name_error(name.replace("_", " "), value, names))
+
+
 def option_name(name: str) -> str:
     """``--the-option`` (with its short form) for a parameter name, from the running command."""
     from sptool.fsguard import _current_context
@@ -162,6 +229,11 @@ def option_name(name: str) -> str:
 def check_options(values: dict[str, Any]) -> None:
     """Refuse the first option whose value breaks its :data:`LIMITS` entry (one line, exit 2)."""
     for name, value in values.items():
+        if name in NON_EMPTY_STRINGS and isinstance(value, (list, tuple)) and any(v == "" for v in value):
+            raise UsageError(f"{option_name(name)} must be a non-empty string, got ''")
+        problem = choice_error(name, value)
+        if problem:
+            raise UsageError(f"{option_name(name)}: {problem}")
         limit = LIMITS.get(name)
         if limit is None:
             continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 
+import click
 import typer
 from typer.core import TyperGroup
 
@@ -34,6 +35,11 @@ class SptoolGroup(TyperGroup):
             message = getattr(error, "message", None) or str(error)
             typer.echo(f"sptool: error: {message}", err=True)
             raise typer.Exit(error.exit_code) from None
+        except _USAGE_ERRORS as error:  # typer's own: `-k abc`, `--temperature 1,5`
+            if isinstance(error, _NO_ARGS_IS_HELP) or os.environ.get("SPTOOL_TRACEBACK"):
+                raise
+            typer.echo(f"sptool: error: {_one_line(error.format_message())}", err=True)
+            raise typer.Exit(2) from None
         except KeyboardInterrupt:
             typer.echo("sptool: interrupted", err=True)
             raise typer.Exit(130) from None
@@ -45,6 +51,26 @@ class SptoolGroup(TyperGroup):
                 raise
             typer.echo(f"sptool: error: {describe_os_error(error)}", err=True)
             raise typer.Exit(1) from None
+
+
+def _click_exceptions() -> list:
+    """click's exception module and typer's vendored copy (typer >= 0.2x ships its own click)."""
+    modules = [click.exceptions]
+    try:
+        from typer._click import exceptions as vendored
+    except ImportError:  # an older typer: plain click
+        vendored = None
+    if vendored is not None and vendored is not click.exceptions:
+        modules.append(vendored)
+    return modules
+
+
+_USAGE_ERRORS = tuple(m.UsageError for m in _click_exceptions())
+_NO_ARGS_IS_HELP = tuple(m.NoArgsIsHelpError for m in _click_exceptions() if hasattr(m, "NoArgsIsHelpError"))
+
+
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
 class Terminated(BaseException):

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from sptool.cli.limits import DTYPES, _backends, _objectives, device_error
 from sptool.settings import setting
 
 
@@ -41,7 +42,7 @@ class RunConfig:
 class ModelConfig:
     policy: str = setting("tiny", "starting weights: HF id, local HF directory, or tiny")
     backend: str = setting("hf", "generation backend: hf (shares weights with the trainer), scripted, "
-                           "vllm, openai")
+                           "vllm, openai", choices=_backends)
     script: str = setting("", "scripted backend: the JSONL script file")
     questioner: str = setting("", "two-role recipes: the questioner's start (HF id, directory or "
                               "checkpoint); empty: model.policy",
@@ -51,8 +52,8 @@ class ModelConfig:
                           "R-Quest App. A.3: the initialised solver is the self-play solver's start")
     judge: str = setting("", "R-Quest's frozen novelty judge; empty: model.policy",
                          "R-Quest §3: judged by the frozen base model")
-    device: str = setting("", "cpu, cuda, cuda:1 …; empty: a GPU when there is one")
-    dtype: str = setting("", "auto, bf16, fp16, fp32; empty: auto")
+    device: str = setting("", "cpu, cuda, cuda:1 …; empty: a GPU when there is one", validate=device_error)
+    dtype: str = setting("", "auto, bf16, fp16, fp32; empty: auto", choices=("", *DTYPES))
     gen_batch_size: int = setting(64, "sequences per forward batch (hf backend)", minimum=1)
     chat_template: bool = setting(True, "prompt through the tokenizer's chat template")
     base_url: str = setting("", "openai backend: server URL(s), comma-separated (--base-url; `sptool "
@@ -71,10 +72,10 @@ class GenerationConfig:
 
 @dataclass
 class TrainSection:
-    loss: str = setting(train_default("loss"), "policy objective (dr_grpo, grpo, dapo)")
+    loss: str = setting(train_default("loss"), "policy objective (dr_grpo, grpo, dapo)", choices=_objectives)
     learning_rate: float = setting(train_default("learning_rate"), "optimizer learning rate", above=0)
     beta: float = setting(train_default("beta"), "KL coefficient to the reference policy", minimum=0)
-    max_grad_norm: float = setting(train_default("max_grad_norm"), "gradient clipping norm")
+    max_grad_norm: float = setting(train_default("max_grad_norm"), "gradient clipping norm (0: no clipping)")
     lora_r: int = setting(train_default("lora_r"), "LoRA rank (0: full fine-tuning)", minimum=0)
     max_tokens_per_micro_batch: int = setting(train_default("max_tokens_per_micro_batch"),
                                               "tokens per micro-batch (gradient accumulation)", minimum=1)
