@@ -195,6 +195,10 @@ class HttpClient:
                 raise HttpError("dns-error", _hop(hop, url, f"cannot resolve {host}: {exc}")) from None
             if not addresses:
                 raise HttpError("dns-error", _hop(hop, url, f"{host} resolves to no address"))
+            for address in addresses:  # trusted, but never the metadata service implicitly
+                if self.policy.address_allowed(address) == "link-local/metadata":
+                    raise HttpError("private-address", _hop(hop, url, f"{host} resolves to {address} "
+                                                            "(link-local/metadata)"))
             return addresses[0]
         refusal = self.policy.check_url(url)
         if refusal:

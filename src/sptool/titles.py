@@ -159,11 +159,16 @@ def load_titles(path: str) -> list[str]:
 
 def load_title_backend(titles: str | None = None, wiki_url: str | None = None, *,
                        api: str = "search", timeout_s: float = 10.0, allow_private: bool = False,
-                       allow_networks=()) -> TitleBackend:
+                       allow_networks=(), setting: str = "--wiki-url",
+                       allow_hint: str = "--allow-network CIDR") -> TitleBackend:
     """``--titles PATH`` → offline list; otherwise Wikipedia at ``wiki_url`` (default: en.wikipedia)."""
     if titles and wiki_url:
         raise UsageError("give either --titles (offline) or --wiki-url (Wikipedia), not both")
     if titles:
         return LocalTitles(titles)
+    if wiki_url:
+        from sptool.corpus.policy import check_endpoint
+
+        check_endpoint(wiki_url, setting=setting, allow_networks=allow_networks, allow_hint=allow_hint)
     return WikipediaTitles(wiki_url or DEFAULT_WIKI_URL, api=api, timeout_s=timeout_s,
                            allow_private=allow_private, allow_networks=allow_networks)

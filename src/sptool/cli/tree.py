@@ -69,6 +69,9 @@ def expand(
     allow_private: bool = typer.Option(False, "--allow-private",
                                        help="Let a --wiki-url redirect reach loopback and private "
                                             "addresses (never link-local/metadata)."),
+    allow_network: List[str] = typer.Option([], "--allow-network",
+                                            help="Allow exactly this CIDR block for --wiki-url and its "
+                                                 "redirects, even link-local (repeatable)."),
     wiki_timeout: float = typer.Option(10.0, "--wiki-timeout", help="Total seconds per title search (connect, answer, body and retries)."),
     tau_wiki: float = typer.Option(0.8, "--tau-wiki", help="Accept a non-leaf node when s_max >= this."),
     duplicate_threshold: float = typer.Option(0.85, "--duplicate-threshold",
@@ -109,7 +112,7 @@ def expand(
     spec = prompt_options.load("tree")
     tree = load_tree(tree_path)
     title_backend = load_title_backend(titles, wiki_url, api=wiki_api, timeout_s=wiki_timeout,
-                                       allow_private=allow_private)
+                                       allow_private=allow_private, allow_networks=allow_network)
     params = SamplingParams(temperature=temperature, max_new_tokens=max_tokens, seed=seed)
     log = common.stderr_log(quiet)
     engine = backend_options.load(quiet)

