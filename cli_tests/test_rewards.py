@@ -231,3 +231,22 @@ def test_group_advantages():
     assert R.group_advantages([1.0, 0.04, -0.1]) == approx([1.0 - 0.94 / 3, 0.04 - 0.94 / 3, -0.1 - 0.94 / 3])
     with pytest.raises(ValueError):
         R.group_advantages([1, 0], "ppo")
+
+
+def test_indexed_bleu_distances_equal_the_pairwise_loop():
+    """The near-linear BLEU (inverted n-gram index, sparse products) gives the pairwise loop's
+    distances and clusters, both pairings, with repeated words, duplicates and empty strings."""
+    import random
+
+    rng = random.Random(7)
+    words = "what is the sum of 3 and 5 area circle the the of".split()
+    for trial in range(40):
+        questions = [" ".join(rng.choice(words) for _ in range(rng.randint(0, 14)))
+                     for _ in range(rng.randint(1, 16))]
+        if trial % 3 == 0:
+            questions.append(questions[0])
+        for pairing in ("mean", "reference"):
+            fast = R.bleu_distance_matrix(questions, pairing)
+            slow = R.bleu_distance_matrix_pairwise(questions, pairing)
+            assert [[approx(v, abs=1e-12) for v in row] for row in slow] == fast
+            assert R.average_linkage_clusters(fast) == R.average_linkage_clusters(slow)
