@@ -169,9 +169,9 @@ def heldout_curve(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    from sptool.jsonl import read_records
+    from sptool.run.run_dir import read_jsonl  # a run file: no record kind's checks ("samples": 32)
 
-    return [line for line in read_records(path) if line.get("kind") == "eval"]
+    return [line for line in read_jsonl(path) if isinstance(line, dict) and line.get("kind") == "eval"]
 
 
 def _looks_like_hub_id(name: str) -> bool:

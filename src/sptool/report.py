@@ -37,9 +37,18 @@ def load_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UsageError(f"{run_dir}: no metrics.jsonl (not a `sptool run` directory?)")
-    from sptool.jsonl import read_records
+    from sptool.jsonl import decode_json, iter_lines
 
-    lines = list(read_records(path))  # a corrupt line: one error at metrics.jsonl:LINE, exit 2
+    # a corrupt line: one error at metrics.jsonl:LINE, exit 2; no record kind's field checks (a
+    # metrics line's "samples" is a count, not `sptool solve`'s list)
+    lines = []
+    with open(path, "rb") as handle:
+        for number, raw in iter_lines(handle, str(path)):
+            if raw.strip():
+                line = decode_json(raw, source=str(path), line=number)
+                if not isinstance(line, dict):
+                    raise InputError("expected a JSON object (a metrics line)", source=str(path), line=number)
+                lines.append(line)
     manifest_path = run_dir / "manifest.json"
     manifest: dict = {}
     if manifest_path.is_file():
