@@ -19,6 +19,19 @@ sptool / bare.
 ``--shape 0.6b`` builds a random-initialised Qwen3-0.6B-shaped model (with the tiny model's
 tokenizer) in a temporary directory: for throughput only, its text is noise. vLLM needs the
 entry point under ``if __name__ == "__main__"`` (it spawns processes).
+
+``--stages`` (hf, issue 23): every generating stage of every recipe, built as ``sptool run``
+builds it (the stage classes, the recipes' prompts, a backend over a live trainer's model as
+:class:`sptool.run.session.Policy` makes it: compiled static-cache decoding on CUDA unless
+``--no-compile``), each call timed, then the very same calls (same rendered prompts, same
+batches, same new-token budget and stop strings) replayed through a bare eager
+``model.generate``. One row per stage: decoding steps/s and tokens/s of both, × bare, and the
+weights-read floor (parameter bytes / ``--hbm`` bytes/s: the steps/s a step that only read the
+weights once would reach) beside the KV-read floor (weights + the static cache read once per
+step). Then a loop step's peak GPU memory: one solve batch with log-probs, then one train-step
+update on it (generation and training share the GPU; the static caches stay allocated).
+
+    python benchmarks/generation.py --stages --device cuda --shape tiny --batch 512 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -102,8 +115,10 @@ def bare_hf(backend, prompts, params, same_options: bool = True) -> tuple[float,
                    pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, return_dict_in_generate=True)
     if params.temperature > 0:
         options.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
-    if same_options:
-        options.update(getattr(backend, "generate_options", {}) or {})
+    if same_options and getattr(backend, "static_cache", False):
+        options.update(cache_implementation="static", disable_compile=not backend.compile)
+    else:
+        options["disable_compile"] = True
     torch.manual_seed(params.seed * 1_000_003 + 0)
     with torch.inference_mode():
         output = model.generate(**encoded, **options)
@@ -154,6 +169,213 @@ def bare_openai(backend, prompts, params) -> tuple[float, int]:
 BARE = {"hf": bare_hf, "vllm": bare_vllm, "openai": bare_openai}
 
 
+# -- --stages: every generating stage inside `sptool run` -------------------------------------
+
+class Recorder:
+    """A backend wrapper that times every generate call (synchronised) and keeps the call, so
+    that the bare arm replays exactly the same calls."""
+
+    def __init__(self, backend):
+        self.backend, self.calls = backend, []
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def generate(self, prompts, n, params):
+        steps = self.backend.decode_steps
+        sync(self.backend)
+        start = time.perf_counter()
+        out = self.backend.generate(prompts, n, params)
+        sync(self.backend)
+        self.calls.append(dict(prompts=prompts, n=n, params=params, seconds=time.perf_counter() - start,
+                               steps=self.backend.decode_steps - steps,
+                               tokens=sum(sample.n_tokens for row in out for sample in row)))
+        return out
+
+    def close(self):
+        pass
+
+
+def sync(backend) -> None:
+    import torch
+
+    if str(backend.device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bare_replay(backend, calls) -> tuple[float, int, int]:
+    """The recorded calls through bare eager ``model.generate`` (dynamic cache, no compile), in
+    the backend's batches: (seconds, decoding steps, generated tokens)."""
+    import torch
+
+    model, tokenizer = backend.model, backend.tokenizer
+    eos = backend._eos_ids()
+    seconds = steps = tokens = 0
+    for call in calls:
+        params = call["params"]
+        texts = [backend.render(prompt) for prompt in call["prompts"] for _ in range(call["n"])]
+        for start in range(0, len(texts), backend.batch_size):
+            sync(backend)
+            began = time.perf_counter()
+            encoded = tokenizer(texts[start:start + backend.batch_size], return_tensors="pt", padding=True,
+                                add_special_tokens=False).to(backend.device)
+            options = dict(max_new_tokens=params.max_new_tokens, do_sample=params.temperature > 0,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                           return_dict_in_generate=True, disable_compile=True)
+            if params.temperature > 0:
+                options.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
+            else:
+                options.update(temperature=None, top_p=None, top_k=None)
+            if params.stop:
+                options.update(stop_strings=list(params.stop), tokenizer=tokenizer)
+            torch.manual_seed(params.seed)
+            with torch.inference_mode():
+                output = model.generate(**encoded, **options)
+            new = output.sequences[:, encoded["input_ids"].shape[1]:]
+            steps += new.shape[1]
+            tokens += sum(next((i + 1 for i, t in enumerate(row) if t in eos), len(row)) for row in new.tolist())
+            sync(backend)
+            seconds += time.perf_counter() - began
+    return seconds, steps, tokens
+
+
+def stage_workloads(batch: int, max_tokens: int):
+    """(stage, recipe, build) for every generating stage inside `sptool run`: ``build(backend)``
+    returns the stage and its input records, one backend batch (``batch`` sequences) each."""
+    from sptool.challenge import DocumentChallengeStage, NothingChallengeStage, SolutionChallengeStage
+    from sptool.models.base import SamplingParams
+    from sptool.novelty import NoveltyStage
+    from sptool.recipes import load_config, prompt_spec
+    from sptool.solve import SolveStage
+
+    k = 8
+    groups = max(1, batch // k)
+    configs = {name: load_config(name) for name in ("rlvr", "rquest", "rzero", "wist", "svs")}
+    questioner_group = configs["rzero"]["rzero"]["questioner_group"]
+
+    def sampled(seed=0, logprobs=True, tokens=max_tokens):
+        return SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=tokens, seed=seed, logprobs=logprobs)
+
+    problems = questions(max(batch, groups))
+    documents = [{"id": f"d{i}", "title": f"Note {i}",
+                  "text": f"Ledger {i}: the village stores {12 + i} sacks of grain and trades {3 + i % 5} "
+                          f"of them each week for salt; a sack weighs {40 + i % 7} kilograms. " * 3}
+                 for i in range(groups)]
+    verified = [{**problem, "id": f"v{i}", "p_hat": 0.25,
+                 "samples": [{"text": f"{problem['question']} Adding gives \\boxed{{{problem['answer']}}}.",
+                              "answer": problem["answer"], "correct": True}]
+                 + [{"text": "I think it is 3.", "answer": "3", "correct": False}] * 3}
+                for i, problem in enumerate(problems[:groups])]
+    candidates = [{"id": f"c{i}", "question": problem["question"], "valid": True}
+                  for i, problem in enumerate(problems[:groups])]
+    return [
+        ("solve", "rlvr/svs/wist/rzero/rquest", lambda b: (SolveStage(
+            b, samples=k, params=sampled(), batch_size=groups,
+            prompt=prompt_spec(configs["rlvr"], "solve")), problems[:groups])),
+        ("validity", "rquest", lambda b: (SolveStage(
+            b, samples=k, mode="validity", params=sampled(), batch_size=groups,
+            prompt=prompt_spec(configs["rquest"], "validity")), problems[:groups])),
+        ("questioner", "rzero/rquest", lambda b: (NothingChallengeStage(
+            b, unseeded=True, candidates=min(batch, 4 * questioner_group), params=sampled(),
+            batch_size=questioner_group, prompt=prompt_spec(configs["rzero"], "questioner")), [])),
+        ("challenger", "wist", lambda b: (DocumentChallengeStage(
+            b, candidates=k, params=sampled(), batch_size=groups,
+            prompt=prompt_spec(configs["wist"], "challenger")), documents)),
+        ("synthesis", "svs", lambda b: (SolutionChallengeStage(
+            b, candidates=k, params=sampled(), batch_size=groups, max_solutions=1,
+            prompt=prompt_spec(configs["svs"], "synthesis")), verified)),
+        ("novelty judge", "rquest", lambda b: (NoveltyStage(
+            b, k=k, seed=0, max_new_tokens=16, judge_batch_size=batch,
+            prompt=prompt_spec(configs["rquest"], "novelty")), candidates)),
+        ("eval (greedy)", "every recipe", lambda b: (SolveStage(
+            b, samples=1, params=SamplingParams(temperature=0.0, max_new_tokens=max_tokens), batch_size=batch,
+            prompt=prompt_spec(configs["rlvr"], "solve")), problems[:batch])),
+    ]
+
+
+def measure_stages(model: str, args) -> list[dict]:
+    """One trainer (as ``sptool run`` loads it), one backend over its live model, every stage."""
+    import torch
+
+    from sptool.models.hf import HFBackend
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    cuda = str(args.device or "").startswith("cuda") or (args.device is None and torch.cuda.is_available())
+    trainer = PolicyTrainer(TrainConfig(model=model, device=args.device, max_completion_tokens=args.max_tokens))
+    live = trainer.accelerator.unwrap_model(trainer.model)
+    backend = HFBackend.from_model(live, trainer.tokenizer, model_id=model, batch_size=args.batch[0],
+                                   compile=not args.no_compile, log=lambda m: print("#", m, file=sys.stderr))
+    weight_bytes = sum(p.numel() * p.element_size() for p in live.parameters())
+    rows = []
+    only = {name.strip() for name in (args.only or "").split(",") if name.strip()}
+    for stage_name, recipe, build in stage_workloads(args.batch[0], args.max_tokens):
+        if only and stage_name.split()[0] not in only:
+            continue
+        recorder = Recorder(backend)
+        compile_start = time.perf_counter()
+        stage, records = build(recorder)
+        list(stage.run(json.loads(json.dumps(records))))  # warm-up: compile / record the graphs
+        warm_s = time.perf_counter() - compile_start
+        recorder.calls = []
+        stage, records = build(recorder)
+        list(stage.run(json.loads(json.dumps(records))))
+        calls = recorder.calls
+        seconds = sum(c["seconds"] for c in calls)
+        steps, tokens = sum(c["steps"] for c in calls), sum(c["tokens"] for c in calls)
+        bare_replay(backend, calls[:1])  # warm-up of the bare arm (allocator, kernels)
+        bare_s, bare_steps, bare_tokens = bare_replay(backend, calls)
+        kv = backend.cache_bytes() / max(1, len(backend._caches)) if backend._caches else 0
+        row = dict(stage=stage_name, recipe=recipe, shape=args.shape, decoding=backend.decoding,
+                   calls=len(calls), rows=max(len(c["prompts"]) * c["n"] for c in calls),
+                   max_tokens=max(c["params"].max_new_tokens for c in calls), warmup_s=round(warm_s, 1),
+                   steps_s=round(steps / seconds, 1), tok_s=round(tokens / seconds, 1),
+                   bare_steps_s=round(bare_steps / bare_s, 1), bare_tok_s=round(bare_tokens / bare_s, 1),
+                   x_bare=round((steps / seconds) / (bare_steps / bare_s), 2),
+                   floor_steps_s=round(args.hbm / weight_bytes), kv_floor_steps_s=round(args.hbm / (weight_bytes + kv)))
+        rows.append(row)
+        print(f"# {stage_name}: {row['steps_s']} steps/s ({row['tok_s']} tok/s) vs bare {row['bare_steps_s']} "
+              f"steps/s: x{row['x_bare']}", file=sys.stderr, flush=True)
+    rows.append(loop_step_memory(trainer, backend, args) if cuda else {"stage": "loop-step memory",
+                                                                       "note": "CUDA only"})
+    backend.close()
+    return rows
+
+
+def loop_step_memory(trainer, backend, args) -> dict:
+    """Peak GPU memory of one loop step: a solve batch with log-probs, then a train-step update
+    on it (the static caches kept beside the optimizer state)."""
+    import torch
+
+    from sptool.models.base import SamplingParams
+    from sptool.solve import SolveStage
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    k = 8
+    records = questions(max(1, args.batch[0] // k))
+    stage = SolveStage(backend, samples=k, params=SamplingParams(max_new_tokens=args.max_tokens, logprobs=True),
+                       batch_size=len(records))
+    solved = list(stage.run(records))
+    generate_peak = torch.cuda.max_memory_allocated()
+    groups = [{"prompt": r["solve_prompt"], "completions": [s["text"] for s in r["samples"]],
+               "rewards": [float(i % 2) for i, _ in enumerate(r["samples"])],
+               "old_logprobs": [s.get("logprobs") for s in r["samples"]]} for r in solved]
+    start = time.perf_counter()
+    trainer.update(groups)
+    torch.cuda.synchronize()
+    gib = 1024 ** 3
+    return {"stage": "loop-step memory", "shape": args.shape, "rows": args.batch[0],
+            "generate_peak_gib": round(generate_peak / gib, 2),
+            "step_peak_gib": round(torch.cuda.max_memory_allocated() / gib, 2),
+            "kv_cache_gib": round(backend.cache_bytes() / gib, 2),
+            "reserved_gib": round(torch.cuda.memory_reserved() / gib, 2),
+            "train_s": round(time.perf_counter() - start, 2)}
+
+
+STAGE_HEADER = ["stage", "recipe", "shape", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",
+                "tok_s", "bare_steps_s", "bare_tok_s", "x_bare", "floor_steps_s", "kv_floor_steps_s"]
+
+
 def measure(name: str, model: str, batch: int, args) -> dict:
     from sptool.models.base import SamplingParams, load_backend
     from sptool.prompts import load_template
@@ -181,8 +403,6 @@ def measure(name: str, model: str, batch: int, args) -> dict:
         bare_runs.append(BARE[name](backend, prompts, params))
     default_runs = []
     if name == "hf" and (args.static_cache or args.compile):
-        if args.compile:
-            backend.model.generation_config.disable_compile = True
         bare_hf(backend, prompts[:min(batch, 4)], params, same_options=False)
         default_runs = [bare_hf(backend, prompts, params, same_options=False) for _ in range(args.repeats)]
     backend.close()
@@ -216,7 +436,34 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="also print each row as JSON")
+    parser.add_argument("--stages", action="store_true",
+                        help="hf: every generating stage inside `sptool run` against bare generate")
+    parser.add_argument("--no-compile", action="store_true", help="--stages: eager decoding (the off switch)")
+    parser.add_argument("--only", default="", help="--stages: these stages only (solve,validity,questioner,"
+                        "challenger,synthesis,novelty,eval)")
+    parser.add_argument("--hbm", type=float, default=4.3e12, help="--stages: HBM bytes/s of the floor")
     args = parser.parse_args()
+    if args.stages:
+        args.batch = [int(item) for item in args.batch.split(",")]
+        with tempfile.TemporaryDirectory(prefix="sptool-bench-") as workdir:
+            model = build_shape_model(args.shape, workdir)
+            if model == "tiny":
+                from sptool.models.resolve import resolve_model
+
+                model = resolve_model("tiny")
+            rows = measure_stages(model, args)
+        for row in rows:
+            if args.json:
+                print(json.dumps(row), flush=True)
+        print("| " + " | ".join(STAGE_HEADER) + " |")
+        print("|" + "---|" * len(STAGE_HEADER))
+        for row in rows:
+            if "steps_s" in row:
+                print("| " + " | ".join(str(row.get(key, "")) for key in STAGE_HEADER) + " |")
+        for row in rows:
+            if "steps_s" not in row:
+                print("# " + json.dumps(row))
+        return
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="sptool-bench-") as workdir:

@@ -2,6 +2,22 @@
 
 Runs on CPU or GPU. Deterministic under a seed for the same prompts, ``n`` and batch size: the
 torch generator is re-seeded from ``(seed, batch index)`` before every batch.
+
+Two decoding paths, both transformers' own ``generate``:
+
+- **eager** (the default on CPU): a dynamic KV cache, every step run op by op;
+- **static** (``static_cache``; with ``compile`` on CUDA: ``sptool run``'s default there): a
+  pre-allocated :class:`transformers.StaticCache` and, with ``compile``, the decoding step
+  through ``torch.compile`` in ``reduce-overhead`` mode (CUDA graphs: one launch per step).
+  Shapes are bucketed so that a run records a few graphs, not one per call: a batch's rows are
+  padded to a power of two (at most ``batch_size``; the padding rows are finished from the first
+  step, so they never keep a call running) and the cache length to a multiple of 64
+  (:func:`bucket_rows`, :func:`bucket_length`). One cache per bucket is kept between calls
+  (reset, not reallocated: CUDA graphs read fixed addresses); the model's parameters are read
+  in place, so the compiled step sees every optimizer update of a shared trainer's weights.
+
+Sampling log-probabilities are gathered step by step (one step's logits held at a time, not
+``output_logits``' batch x steps x vocabulary).
 """
 
 from __future__ import annotations
@@ -12,6 +28,25 @@ from typing import Any
 from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, split_response_prefix, token_listener
 from sptool.models.resolve import resolve_model
 from sptool.records import RuntimeFailure, UsageError
+
+ROW_BUCKET_MIN = 8      # the smallest padded batch of the static path
+LENGTH_BUCKET = 64      # static cache lengths are multiples of this
+MAX_CACHES = 4          # static caches kept between calls (least recently used dropped first)
+
+
+def bucket_rows(rows: int, batch_size: int) -> int:
+    """The padded row count of a static-cache batch of ``rows`` sequences: the next power of two
+    (at least :data:`ROW_BUCKET_MIN`), never above ``batch_size`` (nor below ``rows``)."""
+    bucket = ROW_BUCKET_MIN
+    while bucket < rows:
+        bucket *= 2
+    return max(rows, min(bucket, batch_size))
+
+
+def bucket_length(tokens: int) -> int:
+    """The static cache length for ``tokens`` positions (prompt + new tokens): the next multiple
+    of :data:`LENGTH_BUCKET`."""
+    return max(1, -(-tokens // LENGTH_BUCKET)) * LENGTH_BUCKET
 
 
 def pick_device(device: str | None) -> str:
@@ -92,27 +127,30 @@ class HFBackend:
 
             raise load_failure(model, exc) from None
         self._attach(model_obj.to(device).eval(), tokenizer, model_id=model, path=path, device=device,
-                     batch_size=batch_size, chat_template=chat_template)
-        # Faster decoding on GPU: a static (pre-allocated) KV cache, which transformers' generate
-        # compiles the decoding step for (torch.compile, CUDA graphs) when `compile` is set.
-        if static_cache or compile:
-            self.generate_options["cache_implementation"] = "static"
-            self.model.generation_config.disable_compile = not compile
+                     batch_size=batch_size, chat_template=chat_template, static_cache=static_cache,
+                     compile=compile, log=log)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, *, model_id: str, batch_size: int = 64,
-                   chat_template: bool = True) -> "HFBackend":
+                   chat_template: bool = True, static_cache: bool = False, compile: bool = False,
+                   log=None) -> "HFBackend":
         """A backend over an already loaded ``model`` (e.g. a trainer's policy: no copy, so it
-        always generates with the current weights). ``tokenizer`` None: loaded from ``model_id``.
+        always generates with the current weights, whatever their dtype; the compiled path reads
+        the parameters in place too). ``tokenizer`` None: loaded from ``model_id``.
         The caller keeps owning the model; :meth:`close` only drops this reference."""
         backend = cls.__new__(cls)
         backend._attach(model, tokenizer if tokenizer is not None else load_tokenizer(model_id),
-                        model_id=model_id, path=model_id, batch_size=batch_size, chat_template=chat_template)
+                        model_id=model_id, path=model_id, batch_size=batch_size, chat_template=chat_template,
+                        static_cache=static_cache, compile=compile, log=log)
         return backend
 
     def _attach(self, model, tokenizer, *, model_id: str, path: str, batch_size: int, chat_template: bool,
-                device: str | None = None) -> None:
-        """Every attribute a backend has, set in one place (by ``__init__`` and ``from_model``)."""
+                device: str | None = None, static_cache: bool = False, compile: bool = False,
+                log=None) -> None:
+        """Every attribute a backend has, set in one place (by ``__init__`` and ``from_model``).
+
+        ``compile`` is honoured on CUDA only (elsewhere it is ignored: eager decoding, unless
+        ``static_cache`` asks for the static cache alone); it implies the static cache."""
         import torch
 
         parameter = next(model.parameters())
@@ -126,6 +164,68 @@ class HFBackend:
         self.model = model
         self._torch = torch
         self.generate_options: dict[str, Any] = {}
+        self.log = log
+        self.compile = bool(compile) and self.device.startswith("cuda")
+        self.static_cache = bool(static_cache) or self.compile
+        self._compile_config = None
+        if self.compile:
+            from transformers import CompileConfig
+
+            # transformers' own defaults (inductor, reduce-overhead: CUDA graphs); dynamic=None lets
+            # dynamo generalise a second shape instead of recompiling for every bucket
+            self._compile_config = CompileConfig()
+        self._caches: dict[tuple[int, int], Any] = {}  # (rows, length) -> StaticCache, in use order
+        self.shapes_seen: set[tuple[int, int]] = set()
+        self.decode_steps = 0  # decoding steps run (generated columns, summed over batches)
+
+    @property
+    def decoding(self) -> str:
+        """How this backend decodes: ``compiled`` (static cache + CUDA graphs), ``static`` or ``eager``."""
+        return "compiled" if self.compile else "static" if self.static_cache else "eager"
+
+    def cache_bytes(self) -> int:
+        """The bytes the kept static KV caches hold (0 on the eager path)."""
+        total = 0
+        for cache in self._caches.values():
+            for layer in getattr(cache, "layers", []):
+                for name in ("keys", "values"):
+                    tensor = getattr(layer, name, None)
+                    if tensor is not None:
+                        total += tensor.numel() * tensor.element_size()
+        return total
+
+    def release_caches(self) -> None:
+        """Drop the kept static caches (their memory returns to the allocator)."""
+        self._caches.clear()
+
+    def _static_cache(self, rows: int, length: int):
+        """The kept cache of ``(rows, length)``, reset; a new one (the least recently used one
+        dropped beyond :data:`MAX_CACHES`) announced with its size beside the allocated memory."""
+        from transformers import StaticCache
+
+        key = (rows, length)
+        cache = self._caches.pop(key, None)
+        fresh = cache is None
+        if fresh:
+            while len(self._caches) >= MAX_CACHES:
+                self._caches.pop(next(iter(self._caches)))
+            cache = StaticCache(config=self.model.config, max_cache_len=length)
+        else:
+            cache.reset()
+        self._caches[key] = cache
+        return cache, fresh
+
+    def _report_cache(self, rows: int, length: int) -> None:
+        if self.log is None:
+            return
+        torch = self._torch
+        gib = 1024 ** 3
+        beside = ""
+        if self.device.startswith("cuda"):
+            beside = (f"; GPU {torch.cuda.memory_allocated(self.device) / gib:.2f} GiB allocated, "
+                      f"{torch.cuda.max_memory_allocated(self.device) / gib:.2f} GiB peak")
+        self.log(f"hf: {self.decoding} decoding, new KV cache {rows} rows x {length} positions; "
+                 f"caches hold {self.cache_bytes() / gib:.2f} GiB{beside}")
 
     def render(self, prompt: Prompt) -> str:
         return render_prompt(self.tokenizer, prompt, self.chat_template)
@@ -140,13 +240,17 @@ class HFBackend:
         eos_ids = self._eos_ids()
         for batch_index in range(0, len(jobs), self.batch_size):
             batch = jobs[batch_index:batch_index + self.batch_size]
-            encoded = self.tokenizer([text for _, text in batch], return_tensors="pt", padding=True,
+            batch_texts = [text for _, text in batch]
+            rows = bucket_rows(len(batch), self.batch_size) if self.static_cache else len(batch)
+            batch_texts += batch_texts[-1:] * (rows - len(batch))  # padding rows, finished at once
+            encoded = self.tokenizer(batch_texts, return_tensors="pt", padding=True,
                                      add_special_tokens=False).to(self.device)
+            prompt_length = encoded["input_ids"].shape[1]
             sampling = params.temperature > 0
             options: dict[str, Any] = dict(
                 max_new_tokens=params.max_new_tokens, do_sample=sampling,
                 pad_token_id=self.tokenizer.pad_token_id, eos_token_id=eos_ids,
-                return_dict_in_generate=True, output_logits=params.logprobs,
+                return_dict_in_generate=True,
             )
             options.update(self.generate_options)
             if params.stop:
@@ -156,22 +260,56 @@ class HFBackend:
                 if left <= 0:
                     break  # past the deadline: the caller sees missing samples and drops the batch
                 options["max_time"] = left
+            processors = []
+            recorder = _LogprobRecorder() if params.logprobs else None
+            if recorder is not None:
+                processors.append(recorder)  # first: it sees the raw logits, as output_logits did
             if sampling:
-                options.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
+                # the warpers are ours (after the recorder), in generate's own order
+                from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+                options.update(temperature=1.0, top_p=1.0, top_k=0)
+                if params.temperature != 1.0:
+                    processors.append(TemperatureLogitsWarper(params.temperature))
+                if params.top_p < 1.0:
+                    processors.append(TopPLogitsWarper(params.top_p))
             else:
                 options.update(temperature=None, top_p=None, top_k=None)
+            if processors:
+                from transformers import LogitsProcessorList
+
+                options["logits_processor"] = LogitsProcessorList(processors)
+            criteria = []
             listener = token_listener()
             if listener is not None:
-                options["stopping_criteria"] = _token_progress(listener)
+                criteria.append(_TokenProgress(listener, len(batch)))
+            if self.static_cache:
+                length = bucket_length(prompt_length + params.max_new_tokens)
+                with torch.inference_mode():  # the cache holds inference tensors: reset in that mode
+                    cache, fresh = self._static_cache(rows, length)
+                options["past_key_values"] = cache
+                options["disable_compile"] = not self.compile
+                if self.compile:
+                    options["compile_config"] = self._compile_config
+                if rows > len(batch):
+                    done = torch.zeros(rows, dtype=torch.bool, device=self.device)
+                    done[len(batch):] = True
+                    criteria.append(_FinishedRows(done))
+                self.shapes_seen.add((rows, length))
+            if criteria:
+                from transformers import StoppingCriteriaList
+
+                options["stopping_criteria"] = StoppingCriteriaList(criteria)
             torch.manual_seed(params.seed * 1_000_003 + batch_index)
             with torch.inference_mode():
                 output = self.model.generate(**encoded, **options)
-            new_tokens = output.sequences[:, encoded["input_ids"].shape[1]:].tolist()
-            logprob_rows = None
-            if params.logprobs:
-                stacked = torch.stack(output.logits, dim=1).float()  # batch, steps, vocab
-                chosen = torch.tensor(new_tokens, device=stacked.device).unsqueeze(-1)
-                logprob_rows = torch.log_softmax(stacked, dim=-1).gather(-1, chosen).squeeze(-1).tolist()
+            if self.static_cache and fresh:
+                self._report_cache(rows, length)
+            self.decode_steps += output.sequences.shape[1] - prompt_length
+            sequences = output.sequences[:len(batch)]
+            del output  # it holds the cache too; the backend keeps that one
+            new_tokens = sequences[:, prompt_length:].tolist()
+            logprob_rows = recorder.rows(sequences[:, prompt_length:]) if recorder else None
             for row, (prompt_index, _) in enumerate(batch):
                 ids = new_tokens[row]
                 finish = "length"
@@ -214,18 +352,67 @@ class HFBackend:
         return ids
 
     def close(self) -> None:
+        self._caches.clear()
         self.model = None
 
 
-def _token_progress(listener):
+class _TokenProgress:
     """A stopping criterion that never stops: it tells ``listener`` after every decoding step how
-    many rows got a new token (the progress of a long generation)."""
-    import torch
-    from transformers import StoppingCriteria, StoppingCriteriaList
+    many real rows got a new token (the progress of a long generation; padding rows not counted)."""
 
-    class TokenProgress(StoppingCriteria):
-        def __call__(self, input_ids, scores, **kwargs):
-            listener(int(input_ids.shape[0]))
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    def __init__(self, listener, rows: int):
+        self.listener, self.real_rows = listener, rows
 
-    return StoppingCriteriaList([TokenProgress()])
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        self.listener(self.real_rows)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class _FinishedRows:
+    """A stopping criterion that finishes the static path's padding rows (a fixed mask: no
+    host-device synchronisation), so they never keep a call decoding."""
+
+    def __init__(self, done):
+        self.done = done
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return self.done
+
+
+class _LogprobRecorder:
+    """A logits processor, first in line: at each step it keeps the raw logits and their
+    log-normaliser, and gathers the previous step's sampled token (now the last input id) from
+    the previous step's logits. So one step's logits are held at a time; :meth:`rows` adds the
+    last step's token and returns the per-row log-probabilities (under the raw logits)."""
+
+    def __init__(self):
+        self.gathered: list = []  # (rows,) float32 per generated token but the last
+        self.last = None  # (raw logits, logsumexp) of the latest step
+
+    def _gather(self, tokens):
+        logits, normaliser = self.last
+        return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - normaliser
+
+    def __call__(self, input_ids, scores):
+        if self.last is not None:
+            self.gathered.append(self._gather(input_ids[:, -1]))
+        raw = scores.float()
+        self.last = (raw, raw.logsumexp(dim=-1))
+        return scores
+
+    def rows(self, new_tokens) -> list[list[float]]:
+        """Log-probabilities of ``new_tokens`` (the real rows x the generated tokens)."""
+        import torch
+
+        real, steps = new_tokens.shape
+        columns = [column[:real] for column in self.gathered[:steps]]
+        if len(columns) < steps and self.last is not None:
+            logits, normaliser = self.last
+            token = new_tokens[:, len(columns)].to(logits.device)
+            columns.append(logits[:real].gather(-1, token.unsqueeze(-1)).squeeze(-1) - normaliser[:real])
+        self.gathered, self.last = [], None
+        if not columns:
+            return [[] for _ in range(real)]
+        return torch.stack(columns, dim=1).tolist()

@@ -56,6 +56,9 @@ class ModelConfig:
     dtype: str = setting("", "auto, bf16, fp16, fp32; empty: auto", choices=("", *DTYPES))
     gen_batch_size: int = setting(64, "sequences per forward batch (hf backend)", minimum=1)
     chat_template: bool = setting(True, "prompt through the tokenizer's chat template")
+    compile_generation: bool = setting(True, "hf backend on CUDA: decode through a static KV cache with "
+                                       "a compiled step (CUDA graphs), batch shapes bucketed; ignored "
+                                       "on CPU (eager decoding)")
     base_url: str = setting("", "openai backend: server URL(s), comma-separated (--base-url; `sptool "
                             "serve` starts one); empty: $SPTOOL_BASE_URL or http://127.0.0.1:8000/v1")
 
