@@ -245,7 +245,8 @@ def stage_workloads(batch: int, max_tokens: int):
     from sptool.challenge import DocumentChallengeStage, NothingChallengeStage, SolutionChallengeStage
     from sptool.models.base import SamplingParams
     from sptool.novelty import NoveltyStage
-    from sptool.recipes import load_config, prompt_spec
+    from sptool.prompts import prompt_spec
+    from sptool.recipes import load_config
     from sptool.solve import SolveStage
 
     k = 8

@@ -30,7 +30,7 @@ def test_batch_rows_and_cache_lengths_fall_into_few_buckets():
 
 
 def test_compile_generation_is_a_typed_model_setting_on_by_default():
-    from sptool.recipes.config import ModelConfig
+    from sptool.run.config import ModelConfig
 
     assert ModelConfig().compile_generation is True
 
@@ -143,4 +143,5 @@ def test_compiled_decoder_sees_every_update_on_gpu(tiny_model_dir):
     from torch._dynamo.utils import counters
 
     trainer, eager, fast = check_update_visibility(tiny_model_dir, "cuda", compile=True, tie=0.05)
+    assert fast.decoding == "compiled"  # no fallback to eager on the way
     assert counters["stats"]["unique_graphs"] >= 1  # the decoding step really went through dynamo

@@ -177,6 +177,16 @@ class HFBackend:
         self._caches: dict[tuple[int, int], Any] = {}  # (rows, length) -> StaticCache, in use order
         self.shapes_seen: set[tuple[int, int]] = set()
         self.decode_steps = 0  # decoding steps run (generated columns, summed over batches)
+        self._compile_proven = False  # a compiled call succeeded (later failures are real errors)
+
+    def _give_up_compile(self, exc: Exception) -> None:
+        """The first compiled call failed: say why once and decode eagerly from now on."""
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        if self.log is not None:
+            self.log(f"note: compiled decoding failed on its first call ({type(exc).__name__}: {first}); "
+                     f"decoding eagerly (model.compile_generation=false)")
+        self.compile = self.static_cache = False
+        self._caches.clear()
 
     @property
     def decoding(self) -> str:
@@ -302,7 +312,14 @@ class HFBackend:
                 options["stopping_criteria"] = StoppingCriteriaList(criteria)
             torch.manual_seed(params.seed * 1_000_003 + batch_index)
             with torch.inference_mode():
-                output = self.model.generate(**encoded, **options)
+                try:
+                    output = self.model.generate(**encoded, **options)
+                except Exception as exc:  # noqa: BLE001 - only a first compiled call falls back
+                    if not self.compile or self._compile_proven or isinstance(exc, torch.cuda.OutOfMemoryError):
+                        raise
+                    self._give_up_compile(exc)
+                    return self.generate(prompts, n, params)
+            self._compile_proven = True
             if self.static_cache and fresh:
                 self._report_cache(rows, length)
             self.decode_steps += output.sequences.shape[1] - prompt_length
