@@ -145,3 +145,49 @@ def pytest_collection_modifyitems(config, items):
         return len(rank) if item.get_closest_marker("slow") else len(rank) + 1
 
     items.sort(key=key)
+    units_dir = os.environ.get(UNITS_ENV)
+    if units_dir and hasattr(config, "workerinput"):  # a pytest-xdist worker tells the controller
+        units = {item.nodeid: _unit(item) for item in items if _unit(item) != item.nodeid}
+        path = Path(units_dir) / f"{config.workerinput['workerid']}.json"
+        path.with_suffix(".part").write_text(json.dumps(units))
+        os.replace(path.with_suffix(".part"), path)
+
+
+# `--dist loadgroup` sends the tests of one xdist_group to one worker by appending "@group" to
+# their node ids in the worker; since pytest 9.2 (structured node ids) that no longer takes
+# (pytest-xdist issue 1386) and the groups are silently split. So the workers write each grouped
+# test's unit to a file (above) before they report their collection, and the controller's
+# scheduler reads the units from there.
+UNITS_ENV = "SPTOOL_TEST_XDIST_UNITS"
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and config.getoption("dist", "no") == "loadgroup":
+        import tempfile
+
+        os.environ[UNITS_ENV] = tempfile.mkdtemp(prefix="sptool-xdist-units-")  # the workers inherit it
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and os.environ.get(UNITS_ENV):
+        import shutil
+
+        shutil.rmtree(os.environ.pop(UNITS_ENV), ignore_errors=True)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class MarkedGroupScheduling(LoadGroupScheduling):
+        units: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.units is None:
+                self.units = {}
+                for path in Path(os.environ[UNITS_ENV]).glob("*.json"):
+                    self.units.update(json.loads(path.read_text()))
+            return self.units.get(nodeid) or super()._split_scope(nodeid)
+
+    return MarkedGroupScheduling(config, log)
