@@ -88,3 +88,25 @@ def test_eval_names_file_line_for_a_missing_answer(cli, tmp_path):
                                                {"id": "p2", "question": "2+2?"}])
     error = one_line(cli(["eval", bench, "--backend", "scripted", "-k", "1", "--pass-at", "1"]))
     assert f"{bench}:2: field 'answer': missing" in error, error
+
+
+@pytest.mark.parametrize("line, expected", [
+    ({"iteration": "x", "stage": "filter", "records": 3}, "field 'iteration': expected an integer"),
+    ({"iteration": 1, "stage": 5, "records": 3}, "field 'stage': expected a string"),
+    ({"iteration": 1, "stage": "train", "kind": "train", "records": 1, "roles": 7}, "field 'roles': expected an object"),
+    ({"iteration": 1, "stage": "train", "kind": "train", "records": 1, "roles": {"solver": {"groups_with_signal": "2"}}},
+     "field 'roles': expected a number for 'solver.groups_with_signal'"),
+    ({"iteration": 1, "stage": "verify", "kind": "verify", "records": 2, "wall_s": {}}, "field 'wall_s': expected a number"),
+])
+def test_report_on_wrong_typed_metrics_is_one_line(cli, tmp_path, line, expected):
+    write_jsonl(tmp_path / "metrics.jsonl", [{"iteration": 1, "stage": "solve", "records": 1}, line])
+    error = one_line(cli(["report", tmp_path, "-o", tmp_path / "out"]))
+    assert f"{tmp_path / 'metrics.jsonl'}:2: {expected}" in error, error
+
+
+def test_posterior_update_refuses_a_tree_whose_applied_holds_lists(cli, tmp_path):
+    tree = json.loads((FIXTURES / "tree.json").read_text())
+    tree["applied"] = [["a"], "b"]
+    (tmp_path / "t.json").write_text(json.dumps(tree))
+    error = one_line(cli(["posterior", "update", "--tree", tmp_path / "t.json"], input=""))
+    assert "field 'applied': expected a list of strings (observation keys), item 0 is a list of 1" in error, error

@@ -14,11 +14,10 @@ import pytest
 from conftest import read_jsonl, run_sptool
 from test_run import ENV, checkpoint_weights, scripted_args, scripted_run, shares_run, stage_outputs  # noqa: F401 - fixture
 
-# Every hook point once, in run order, each in a later step than the last (a killed run resumes
-# up to the next point): start, mid, save, done, train-done and checkpoint.
-WIST_KILL_POINTS = ["1/tree-expand:start", "1/corpus-fetch:mid", "1/challenge:save", "1/solve:done",
-                    "1/train:train-done", "2/tree-expand:save", "2/corpus-fetch:save", "2/verify:mid",
-                    "2/train:checkpoint", "2/posterior-update:start"]
+# Every hook point once (start, mid, train-done, save, checkpoint, done), in run order, each in a
+# later step than the last (a killed run resumes up to the next point).
+WIST_KILL_POINTS = ["1/corpus-fetch:start", "1/challenge:mid", "1/train:train-done", "2/corpus-fetch:save",
+                    "2/train:checkpoint", "2/posterior-update:done"]
 
 
 def metrics_of(run_dir):

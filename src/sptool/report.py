@@ -29,7 +29,61 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from sptool.records import InputError, UsageError
+from sptool.records import Field, InputError, RecordKind, UsageError, describe
+
+
+def _roles_check(value: dict) -> str | None:
+    for role, metrics in value.items():
+        if not isinstance(metrics, dict):
+            return f"expected an object per role, '{role}' is {describe(metrics)}"
+        signal = metrics.get("groups_with_signal")
+        if signal is not None and (isinstance(signal, bool) or not isinstance(signal, (int, float))):
+            return f"expected a number for '{role}.groups_with_signal', got {describe(signal)}"
+    return None
+
+
+def _count_check(value: int) -> str | None:
+    return None if value >= 0 else f"expected a count >= 0, got {value}"
+
+
+#: One line of ``metrics.jsonl`` as ``sptool run`` writes it: the fields every view of the report
+#: reads (a wrong type is one ``metrics.jsonl:LINE`` error, not a traceback in a plot).
+class _MetricsLineKind(RecordKind):
+    """Only the metrics line's own fields (not :func:`~sptool.records.check_known_fields`: its
+    ``samples``, ``p_hat`` … are counts and means, not a stage record's fields)."""
+
+    def validate(self, record: Any) -> dict:
+        if not isinstance(record, dict):
+            raise InputError(f"expected a JSON object (a metrics line), got {describe(record)}")
+        for f in self.fields:
+            f.validate(record)
+        return record
+
+
+METRICS_LINE = _MetricsLineKind("metrics line", (
+    Field("iteration", (int,), check=_count_check),
+    Field("stage", (str,)),
+    Field("kind", (str,), required=False),
+    Field("records", (int,), required=False, check=_count_check),
+    Field("wall_s", (float,), required=False, nullable=True),
+    Field("rejected", (int,), required=False, check=_count_check),
+    Field("roles", (dict,), required=False, nullable=True, check=_roles_check),
+))
+
+
+class UnexpectedMetric(InputError):
+    """A metric deeper in a line of an unexpected type, found while summarising or plotting."""
+
+
+def guard_metrics(run_dir: str | Path, action):
+    """Run ``action()``; a metric of an unexpected type deeper in a line (a hand-edited or
+    foreign ``metrics.jsonl``) becomes one error naming the file, not a traceback."""
+    try:
+        return action()
+    except (TypeError, AttributeError, KeyError, ValueError) as exc:
+        raise UnexpectedMetric(f"a metric of an unexpected type ({type(exc).__name__}: {exc}); "
+                               "is it a metrics.jsonl written by `sptool run`?",
+                               source=str(Path(run_dir) / "metrics.jsonl")) from None
 
 
 def load_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
@@ -39,16 +93,17 @@ def load_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
         raise UsageError(f"{run_dir}: no metrics.jsonl (not a `sptool run` directory?)")
     from sptool.jsonl import decode_json, iter_lines
 
-    # a corrupt line: one error at metrics.jsonl:LINE, exit 2; no record kind's field checks (a
-    # metrics line's "samples" is a count, not `sptool solve`'s list)
+    # a corrupt line: one error at metrics.jsonl:LINE, exit 2; the metrics line's own fields, not
+    # a stage record kind's (a metrics line's "samples" is a count, not `sptool solve`'s list)
     lines = []
     with open(path, "rb") as handle:
         for number, raw in iter_lines(handle, str(path)):
             if raw.strip():
                 line = decode_json(raw, source=str(path), line=number)
-                if not isinstance(line, dict):
-                    raise InputError("expected a JSON object (a metrics line)", source=str(path), line=number)
-                lines.append(line)
+                try:
+                    lines.append(METRICS_LINE.validate(line))
+                except InputError as error:
+                    raise error.at(str(path), number) from None
     manifest_path = run_dir / "manifest.json"
     manifest: dict = {}
     if manifest_path.is_file():

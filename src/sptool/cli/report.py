@@ -22,12 +22,12 @@ def report(
     """Write PNG plots (rewards, accuracy, validity/novelty, diversity, WIST tree posteriors), a
     page of example generated questions (questions.md: kept and rejected, with the reason) and
     print a text summary on stdout."""
-    from sptool.report import summary_text, write_plots, write_question_page
+    from sptool.report import guard_metrics, summary_text, write_plots, write_question_page
 
-    text = summary_text(run_dir)
+    text = guard_metrics(run_dir, lambda: summary_text(run_dir))
     if not no_plots:
-        page = write_question_page(run_dir, output)
-        for path in [*write_plots(run_dir, output), *([page] if page else [])]:
+        page = guard_metrics(run_dir, lambda: write_question_page(run_dir, output))
+        for path in [*guard_metrics(run_dir, lambda: write_plots(run_dir, output)), *([page] if page else [])]:
             if not quiet:
                 common.err_console.print(f"report: wrote {path}", markup=False)
     typer.echo(text)

@@ -190,6 +190,10 @@ def validate_tree(document: Any, source: str = "<tree>") -> dict:
         if not isinstance(document[key], type(default)):
             raise fail(f"expected {'an object' if isinstance(default, dict) else 'a list'}, "
                        f"got {describe(document[key])}", key)
+    for index, key in enumerate(document["applied"]):  # observation keys, compared in a set
+        if not isinstance(key, str):
+            raise fail(f"expected a list of strings (observation keys), item {index} is {describe(key)}",
+                       "applied")
     for node_id, node in nodes.items():
         where = f"nodes.{node_id}"
         if not isinstance(node, dict):
