@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from sptool.records import Field, InputError, RecordKind, UsageError, describe
 
@@ -118,8 +118,9 @@ def load_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
     return lines, manifest
 
 
-def _mean(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
+def mean(values: Iterable[float | None]) -> float | None:
+    """The mean of the values that are not None (None when there are none)."""
+    values = [float(v) for v in values if v is not None]
     return sum(values) / len(values) if values else None
 
 
@@ -175,7 +176,7 @@ def series(lines: list[dict]) -> dict[str, dict[str, dict[int, float]]]:
         elif kind == "posterior-update":
             for node in line.get("tree") or []:
                 raw["tree"][f"{node['label']} (d{node['depth']})"][it].append(node["mean"])
-    return {plot: {label: {it: _mean(values) for it, values in points.items()}
+    return {plot: {label: {it: mean(values) for it, values in points.items()}
                    for label, points in labels.items()} for plot, labels in raw.items()}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from sptool.models.base import Backend
+from sptool.prompts import MAX_DOCUMENT_CHARS
 from sptool.records import Field, RecordKind, _non_empty, content_id, ensure_id, iter_chunks
 from sptool.challenge.parsing import check_challenger_output, check_tagged_challenger_output
 from sptool.challenge.generating import _GeneratingStage, _sample_fields
@@ -26,7 +27,7 @@ class DocumentChallengeStage(_GeneratingStage):
     input_kind = DOCUMENT
     role = "challenger"
 
-    def __init__(self, backend: Backend, *, max_document_chars: int = 6000, **options):
+    def __init__(self, backend: Backend, *, max_document_chars: int = MAX_DOCUMENT_CHARS, **options):
         super().__init__(backend, **options)
         self.max_document_chars = max_document_chars
 

@@ -7,21 +7,12 @@ from typing import Optional
 import typer
 
 from sptool.cli import common
+from sptool.prompts import MAX_DOCUMENT_CHARS
 from sptool.rewards import SVS_UNDERPERFORMING_BAND
 
 
 def register(app: typer.Typer) -> None:
     app.command("challenge")(challenge)
-
-
-def parse_band(text: str) -> tuple[float, float]:
-    from sptool.records import UsageError
-
-    try:
-        low, high = (float(part) for part in text.split(","))
-    except ValueError:
-        raise UsageError(f"--band must be LOW,HIGH (e.g. 0.125,0.5), got '{text}'") from None
-    return low, high
 
 
 @common.prompt_options("challenger", "questioner", "synthesis")
@@ -52,7 +43,7 @@ def challenge(
                                      "(SvS Algorithm 1) instead of the closed range (§3.3)."),
     max_solutions: int = typer.Option(8, "--max-solutions",
                                       help="solutions: correct solutions used per problem."),
-    max_document_chars: int = typer.Option(6000, "--max-document-chars",
+    max_document_chars: int = typer.Option(MAX_DOCUMENT_CHARS, "--max-document-chars",
                                            help="documents: truncate longer documents in the prompt."),
     logprobs: bool = common.LogprobsOpt,
     quiet: bool = common.QuietOpt,
@@ -77,7 +68,9 @@ def challenge(
                                                logprobs=logprobs))
     records = None
     if source == "solutions":
-        options.update(band=parse_band(band), strict_band=strict_band, max_solutions=max_solutions)
+        from sptool.settings import parse_band
+
+        options.update(band=parse_band(band, "--band"), strict_band=strict_band, max_solutions=max_solutions)
     elif source == "documents":
         options.update(max_document_chars=max_document_chars)
     elif source == "nothing":

@@ -231,6 +231,20 @@ class TrainingGroupFilter(Stage):
                           finish_reasons=finish_reasons_of(members), stop_strings=stop_strings_of(members),
                           **extra)
 
+    def graded_solver_group(self, record: dict, format_weight: float, *, what: str = "",
+                            keep_equal: bool = False, **extra: Any) -> dict | None:
+        """A solver group graded against the reference answer: (1 − w)·correct + w·format per
+        sample (w = 0: SvS Eq. 4's binary reward); dropped when its rewards are all equal (SvS
+        Algorithm 1's 0 < Acc < 1) unless ``keep_equal``."""
+        rewards = [R.pseudo_label_solver_reward(s.get("correct"), has_boxed_answer(s), format_weight)
+                   for s in samples_of(record)]
+        if not keep_equal and not R.rewards_differ(rewards):
+            prefix = f"solver: {what} " if what else "solver: "
+            self.drop(record, f"{prefix}Acc is 0 or 1" if not format_weight else
+                      f"{prefix}rewards all equal (same correctness and format)")
+            return None
+        return self.solver_group(record, rewards, **extra)
+
     def without_verify_errors(self, records: list[dict]) -> list[dict]:
         kept = []
         for record in records:

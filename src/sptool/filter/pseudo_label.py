@@ -79,7 +79,7 @@ class Scored:
 class RZeroFilter(TrainingGroupFilter):
     recipe = "rzero"
     Options: type = RZeroOptions
-    symbol = "p"                          # the agreement's name in reject reasons
+    agreement = "p"                       # the agreement's name in reject reasons (R-Quest: s)
     options: RZeroOptions
 
     def __init__(self, options: PseudoLabelOptions | None = None, *, questioner: bool = True, **common: Any):
@@ -155,7 +155,7 @@ class RZeroFilter(TrainingGroupFilter):
         majority = verdict(record, "math", "majority")
         if not R.keep_for_solver_training(agreement, majority, band):
             reason = ("solver: empty majority" if R.in_band(agreement, band)
-                      else f"solver: {self.symbol} outside [{band[0]}, {band[1]}]")
+                      else f"solver: {self.agreement} outside [{band[0]}, {band[1]}]")
             self.drop(record, reason)
             return None
         majority = str(majority)
@@ -219,7 +219,7 @@ class ValidityGroups:
 class RQuestFilter(ValidityGroups, RZeroFilter):
     recipe = "rquest"
     Options = RQuestOptions
-    symbol = "s"
+    agreement = "s"
     options: RQuestOptions
 
     def __init__(self, options: RQuestOptions | None = None, *, replay: Iterable[dict] | None = None,

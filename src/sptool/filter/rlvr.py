@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from sptool import rewards as R
-from sptool.filter.groups import TrainingGroupFilter, has_boxed_answer, samples_of, verify_error_of
+from sptool.filter.groups import TrainingGroupFilter, samples_of, verify_error_of
 from sptool.settings import setting
 
 
@@ -41,12 +40,6 @@ class RlvrFilter(TrainingGroupFilter):
             if record.get("p_hat") is None or not samples:
                 self.drop(record, "question without a verdict (run solve | verify)")
                 continue
-            rewards = [R.pseudo_label_solver_reward(s.get("correct"), has_boxed_answer(s), weight)
-                       for s in samples]
-            if not self.options.keep_equal_groups and not R.rewards_differ(rewards):
-                self.drop(record, "solver: Acc is 0 or 1" if not weight else
-                          "solver: rewards all equal (same correctness and format)")
-                continue
-            group = self.solver_group(record, rewards)
+            group = self.graded_solver_group(record, weight, keep_equal=self.options.keep_equal_groups)
             if group is not None:
                 yield group

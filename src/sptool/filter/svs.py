@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from sptool import rewards as R
-from sptool.filter.groups import (TrainingGroupFilter, contiguous_groups, has_boxed_answer, is_parsed,
-                                  samples_of)
+from sptool.filter.groups import TrainingGroupFilter, contiguous_groups, is_parsed, samples_of
 from sptool.settings import setting
 
 
@@ -43,15 +42,8 @@ class SvsFilter(TrainingGroupFilter):
     options: SvsOptions
 
     def solver(self, record: dict, what: str) -> dict | None:
-        # w = 0: the binary reward of SvS Eq. 4, and "rewards differ" is Algorithm 1's 0 < Acc < 1
-        weight = self.options.format_weight
-        rewards = [R.pseudo_label_solver_reward(s.get("correct"), has_boxed_answer(s), weight)
-                   for s in samples_of(record)]
-        if not R.rewards_differ(rewards):
-            self.drop(record, f"solver: {what} Acc is 0 or 1" if not weight else
-                      f"solver: {what} rewards all equal (same correctness and format)")
-            return None
-        return self.solver_group(record, rewards, variant=what == "variant")
+        return self.graded_solver_group(record, self.options.format_weight, what=what,
+                                        variant=what == "variant")
 
     def process(self, records: Iterator[dict]) -> Iterator[dict]:
         o = self.options

@@ -56,6 +56,8 @@ class Packaged:
 # role -> (what it is, the fields its template must use, the default packaged name). A solver
 # prompt without {question} or a judge without both problems cannot work; the other roles'
 # templates may use any record field (a challenger prompt about {leaf} instead of {text}).
+MAX_DOCUMENT_CHARS = 6000  # a document's characters the challenger prompt shows (WIST); longer ones are cut
+
 ROLES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "solve": ("the solver (solve --mode math, eval)", ("question",), "math"),
     "validity": ("the solver that may answer INVALID (solve --mode validity; R-Quest)", ("question",),

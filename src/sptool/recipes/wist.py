@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from sptool import tree as T
 from sptool.corpus.similarity import DEFAULT_TAU_EMB
 from sptool.filter.wist import WistFilter, WistOptions
+from sptool.prompts import MAX_DOCUMENT_CHARS
 from sptool.recipes.base import Recipe
 from sptool.run.steps import Step, StepContext
 from sptool.settings import setting
@@ -69,7 +70,7 @@ class WistConfig(WistOptions):
     allow_private: bool = setting(False, "allow fetching private (LAN) addresses")
     allow_networks: str = setting("", "comma-separated CIDR blocks a configured wiki_url/search_url may "
                                   "be on although link-local/metadata (e.g. 169.254.0.0/16); empty: none")
-    max_document_chars: int = setting(6000, "document characters shown to the challenger", minimum=1)
+    max_document_chars: int = setting(MAX_DOCUMENT_CHARS, "document characters shown to the challenger", minimum=1)
     expand_max_tokens: int = setting(32, "new tokens per proposed node label", minimum=1)
     max_attempts: int = setting(_EXPAND.max_attempts, "proposal rounds per unk choice before giving up",
                                 minimum=1)

@@ -7,13 +7,10 @@ the executor adds (records, rejected, wall time).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
-
-def mean(values: Iterable[float | None]) -> float | None:
-    """The mean of the values that are not None (None when there are none)."""
-    values = [float(v) for v in values if v is not None]
-    return sum(values) / len(values) if values else None
+from sptool import rewards as R
+from sptool.report import mean
 
 
 def question_diversity(questions: list[str]) -> dict:
@@ -51,8 +48,8 @@ def verify_metrics(records: list[dict]) -> dict:
     }
     if graded and any(r.get("mode") == "validity" for r in graded):
         # R-Quest's validity gate passes a question when at most half the samples say INVALID
-        metrics["validity_pass_rate"] = mean(1.0 if (r.get("invalid_frac") or 0) <= 0.5 else 0.0
-                                             for r in graded)
+        metrics["validity_pass_rate"] = mean(1.0 if R.passes_validity_gate(r.get("invalid_frac") or 0)
+                                             else 0.0 for r in graded)
     return metrics
 
 
