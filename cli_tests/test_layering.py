@@ -20,8 +20,8 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "sptool"
 
 # Layer of each package, lowest first (docs/architecture.md, "Layers").
 LAYERS: list[tuple[str, ...]] = [
-    # 0 core: records, JSONL, the stage contract, registries, settings, fault points
-    ("records", "jsonl", "fsguard", "stage", "registry", "settings", "faults", "core"),
+    # 0 core: records, JSONL, the stage contract, registries, fault points
+    ("records", "jsonl", "fsguard", "stage", "registry", "faults", "core"),
     # 1 support: process pools, outbound HTTP, reasoning-gym sets, reward formulas
     ("workers", "net", "gym", "rewards"),
     # 2 models and prompts
@@ -29,8 +29,9 @@ LAYERS: list[tuple[str, ...]] = [
     # 3 stages (one CLI stage each)
     ("verify", "solve", "challenge", "novelty", "tree", "tree_plot", "decontaminate", "evaluate",
      "corpus", "titles", "stages", "problemsets"),
-    # 4 training groups, training, reports, processes
-    ("filter", "train", "report", "distributed", "serve"),
+    # 4 typed settings and their limits (they name the objectives and backends), training groups,
+    # training, reports, processes
+    ("settings", "limits", "filter", "train", "report", "distributed", "serve"),
     # 5 the executor (knows no recipe)
     ("run", "export"),
     # 6 the papers' loops

@@ -49,7 +49,7 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
-#: A number setting without a declared upper bound (and no :data:`sptool.cli.limits.LIMITS`
+#: A number setting without a declared upper bound (and no :data:`sptool.limits.LIMITS`
 #: entry of the same name) is capped here, so that no setting can make a run endless.
 MAX_COUNT = 10_000_000
 MAX_MAGNITUDE = 1e6
@@ -65,12 +65,12 @@ def _interval(low: Any, low_open: bool, high: Any, high_open: bool) -> str:
 
 def bounds(field: dataclasses.Field) -> tuple[Any, bool, Any, bool]:
     """``(low, low_open, high, high_open)`` of a number setting: its declared bounds, else the
-    :data:`~sptool.cli.limits.LIMITS` entry of the same name (one name, one meaning), and an upper
+    :data:`~sptool.limits.LIMITS` entry of the same name (one name, one meaning), and an upper
     bound always (:data:`MAX_COUNT` for integers, :data:`MAX_MAGNITUDE` for numbers)."""
     m = field.metadata
     low, low_open = (m["above"], True) if m.get("above") is not None else (m.get("minimum"), False)
     high, high_open = (m["below"], True) if m.get("below") is not None else (m.get("maximum"), False)
-    from sptool.cli.limits import LIMITS
+    from sptool.limits import LIMITS
 
     known = LIMITS.get(field.name) or LIMITS.get(field.name.removesuffix("_s"))
     if known is not None:

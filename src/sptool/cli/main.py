@@ -118,7 +118,7 @@ for _module in COMMAND_MODULES:
 
 def _check_options_first(typer_app: typer.Typer) -> None:
     """Every command checks its numeric options (finite, in range) before doing any work."""
-    from sptool.cli.limits import checked
+    from sptool.limits import checked
 
     for info in typer_app.registered_commands:
         if info.callback is not None:

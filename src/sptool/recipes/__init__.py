@@ -283,10 +283,8 @@ def check_values(config: dict, recipe: str) -> None:
 
     for section, cls in sections_for(recipe).items():
         check_ranges(section_object(cls, config[section]), lambda key: f"key '{section}.{key}':")
-    if recipe == "wist":  # configured endpoints: never the metadata service implicitly
-        from sptool.recipes.wist import check_endpoints
-
-        check_endpoints(section_object(sections_for(recipe)["wist"], config["wist"]))
+    recipe_class = RECIPES.get(recipe)
+    recipe_class.check_section(section_object(recipe_class.Config, config[recipe]))
     if config["train"]["shared_policy"]:
         given = [f"model.{role}" for role in ("questioner", "solver") if config["model"][role]]
         if given:

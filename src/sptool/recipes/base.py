@@ -60,6 +60,11 @@ class Recipe:
         self.settings = session.settings    # the shared sections, typed
         self.c = section_object(self.Config, config[self.name])
 
+    @classmethod
+    def check_section(cls, section) -> None:
+        """Checks of the recipe's own section beyond types and ranges, before any work (WIST:
+        its endpoints); most recipes have none."""
+
     def plan(self, iteration: int) -> list[Step]:
         raise NotImplementedError
 

@@ -88,6 +88,10 @@ class Wist(Recipe):
     Filter = WistFilter
     prompt_roles = ("solve", "challenger", "tree")
 
+    @classmethod
+    def check_section(cls, section) -> None:
+        check_endpoints(section)  # configured endpoints: never the metadata service implicitly
+
     def __init__(self, config: dict, session) -> None:
         super().__init__(config, session)
         self.tree: dict | None = None

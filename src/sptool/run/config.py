@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from sptool.cli.limits import DTYPES, _backends, _objectives, device_error
+from sptool.limits import DTYPES, _backends, _objectives, device_error
 from sptool.settings import setting
 
 
