@@ -339,41 +339,45 @@ def measure_stages(model: str, args) -> list[dict]:
         rows.append(row)
         print(f"# {stage_name}: {row['steps_s']} steps/s ({row['tok_s']} tok/s) vs bare {row['bare_steps_s']} "
               f"steps/s: x{row['x_bare']}", file=sys.stderr, flush=True)
-    rows.append(loop_step_memory(trainer, backend, args) if cuda else {"stage": "loop-step memory",
-                                                                       "note": "CUDA only"})
+    rows.append(loop_step_memory(trainer, backend, args, cuda))
     backend.close()
     return rows
 
 
-def loop_step_memory(trainer, backend, args) -> dict:
+def loop_step_memory(trainer, backend, args, cuda: bool) -> dict:
     """Peak GPU memory of one loop step: a solve batch with log-probs, then a train-step update
-    on it (the static caches kept beside the optimizer state)."""
+    on it (the static caches kept beside the optimizer state). On CPU: the step's seconds only."""
     import torch
 
     from sptool.models.base import SamplingParams
     from sptool.solve import SolveStage
 
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     k = 8
     records = questions(max(1, args.batch[0] // k))
     stage = SolveStage(backend, samples=k, params=SamplingParams(max_new_tokens=args.max_tokens, logprobs=True),
                        batch_size=len(records))
+    start = time.perf_counter()
     solved = list(stage.run(records))
-    generate_peak = torch.cuda.max_memory_allocated()
+    generate_s = time.perf_counter() - start
+    generate_peak = torch.cuda.max_memory_allocated() if cuda else 0
     groups = [{"prompt": r["solve_prompt"], "completions": [s["text"] for s in r["samples"]],
                "rewards": [float(i % 2) for i, _ in enumerate(r["samples"])],
                "old_logprobs": [s.get("logprobs") for s in r["samples"]]} for r in solved]
     start = time.perf_counter()
     trainer.update(groups)
-    torch.cuda.synchronize()
     gib = 1024 ** 3
-    return {"stage": "loop-step memory", "shape": args.shape, "rows": args.batch[0],
-            "generate_peak_gib": round(generate_peak / gib, 2),
-            "step_peak_gib": round(torch.cuda.max_memory_allocated() / gib, 2),
-            "kv_cache_gib": round(backend.cache_bytes() / gib, 2),
-            "reserved_gib": round(torch.cuda.memory_reserved() / gib, 2),
-            "train_s": round(time.perf_counter() - start, 2)}
+    row = {"stage": "loop-step memory", "shape": args.shape, "rows": len(records) * k,
+           "generate_s": round(generate_s, 2), "kv_cache_gib": round(backend.cache_bytes() / gib, 2)}
+    if cuda:
+        torch.cuda.synchronize()
+        row.update(generate_peak_gib=round(generate_peak / gib, 2),
+                   step_peak_gib=round(torch.cuda.max_memory_allocated() / gib, 2),
+                   reserved_gib=round(torch.cuda.memory_reserved() / gib, 2))
+    row["train_s"] = round(time.perf_counter() - start, 2)
+    return row
 
 
 STAGE_HEADER = ["stage", "recipe", "shape", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",

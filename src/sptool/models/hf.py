@@ -305,6 +305,9 @@ class HFBackend:
                     done = torch.zeros(rows, dtype=torch.bool, device=self.device)
                     done[len(batch):] = True
                     criteria.append(_FinishedRows(done))
+                if self.compile and (rows, length) not in self.shapes_seen and self.log is not None:
+                    self.log(f"hf: new decoding shape {rows} rows x {length} positions: compiling or "
+                             f"recording its CUDA graph (the first compile takes a while)")
                 self.shapes_seen.add((rows, length))
             if criteria:
                 from transformers import StoppingCriteriaList
