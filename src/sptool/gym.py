@@ -14,7 +14,6 @@ sample's answer against the stored ``answer`` and ``metadata``).
 
 from __future__ import annotations
 
-import difflib
 import functools
 import json
 import re
@@ -53,7 +52,9 @@ def available_tasks() -> list[str]:
 def check_task(name: str) -> None:
     tasks = available_tasks()
     if name not in tasks:
-        close = difflib.get_close_matches(name, tasks, n=3)
+        from sptool.registry import closest
+
+        close = closest(name, tasks, n=3)
         hint = f"; did you mean: {', '.join(close)}?" if close else " (see `sptool data gym --list`)"
         raise UsageError(f"unknown reasoning-gym task '{name}'{hint}")
 

@@ -19,9 +19,15 @@ from sptool.records import UsageError
 T = TypeVar("T")
 
 
+def closest(name: str, known, n: int = 1) -> list[str]:
+    """The ``n`` known names closest to ``name`` (difflib's ratio ≥ 0.6): every did-you-mean
+    hint in sptool comes from here."""
+    return difflib.get_close_matches(name, list(known), n=n)
+
+
 def unknown_name_error(kind: str, name: str, known: list[str]) -> UsageError:
     """``unknown <kind> '<name>'. Did you mean '<close>'? Choose from: a, b, c``."""
-    close = difflib.get_close_matches(name, known, n=1)
+    close = closest(name, known)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     return UsageError(f"unknown {kind} '{name}'.{hint} Choose from: {', '.join(sorted(known))}")
 

@@ -28,7 +28,6 @@ Packaged prompts carry their own prefix and stop strings; explicit values overri
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -217,7 +216,9 @@ def load_prompt(role: str, name_or_path: str | None = None, *, prefix: str | Non
             raise UsageError(f"cannot read {role} prompt file {name}: {exc}") from None
         base = dict(prefix="", stop=(), answer_prefix="", answer_stop=(), answer_max_tokens=16)
     else:
-        close = difflib.get_close_matches(name, list(PACKAGED[role]), n=1)
+        from sptool.registry import closest
+
+        close = closest(name, PACKAGED[role])
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise UsageError(f"unknown {role} prompt '{name}'.{hint} Packaged {role} prompts: "
                          f"{', '.join(PACKAGED[role])}; or give a template file path")

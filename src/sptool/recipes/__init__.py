@@ -14,7 +14,6 @@ names the key (both :class:`~sptool.records.UsageError`, exit 2).
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 import tomllib
 from importlib import resources
@@ -23,7 +22,7 @@ from typing import Any, Iterable
 
 from sptool.prompts import prompt_spec  # noqa: F401 - its home is sptool.prompts
 from sptool.records import UsageError
-from sptool.registry import Registry
+from sptool.registry import Registry, closest
 
 # name -> "module:class" of its plan (loaded on use); each module reads like its paper's algorithm
 _PLANS = {"wist": "sptool.recipes.wist:Wist", "svs": "sptool.recipes.svs:Svs",
@@ -195,11 +194,11 @@ def _all_keys(schema: dict) -> list[str]:
 
 def unknown_key_error(key: str, schema: dict, source: str) -> UsageError:
     known = _all_keys(schema)
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    close = closest(key, known)
     if not close:  # a bare key name in the wrong or missing section
         leaf = key.rsplit(".", 1)[-1]
         close = [k for k in known if k.rsplit(".", 1)[-1] == leaf][:1] or \
-            difflib.get_close_matches(leaf, known, n=1, cutoff=0.6)
+            closest(leaf, known)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     return UsageError(f"{source}: unknown key '{key}'.{hint} (`sptool recipes show NAME` lists them)")
 

@@ -162,9 +162,9 @@ class RZero(Recipe):
     def vote(self, p: str, after: str, only) -> list[Step]:
         """The solver answers each question (those passing ``only``) ``samples`` times; the
         majority answer is its pseudo-label, its share the agreement p."""
-        s, c = self.session, self.c
-        return [Step(f"{p}solve", s.solve(c.samples, "math"), inputs=[after], only=only, kind="solve"),
-                Step(f"{p}verify", s.verify(pseudo_label=True), inputs=[f"{p}solve"],
+        return [Step(f"{p}solve", self.session.solve(self.c.samples, "math"), inputs=[after], only=only,
+                     kind="solve"),
+                Step(f"{p}verify", self.session.verify(pseudo_label=True), inputs=[f"{p}solve"],
                      only=is_math_with_samples, kind="verify")]
 
     def train_questioner(self, p: str, after: str) -> list[Step]:
@@ -180,12 +180,12 @@ class RZero(Recipe):
     def train_solver(self, step: int) -> list[Step]:
         """Solver update ``step``: its own batch from the pool, fresh rollouts of the current
         solver graded against the pool's pseudo-label, the update."""
-        s, p = self.session, f"s{step}-"
+        p = f"s{step}-"
         return [Step(f"{p}rollout", self.rollouts(step), inputs=["s-pool"], kind="solve"),
-                Step(f"{p}verify", s.verify(pseudo_label=False), inputs=[f"{p}rollout"],
+                Step(f"{p}verify", self.session.verify(pseudo_label=False), inputs=[f"{p}rollout"],
                      only=has_samples, kind="verify"),
                 Step(f"{p}filter", self.rollout_groups, inputs=[f"{p}verify"], kind="filter"),
-                Step(f"{p}train", s.train(["solver"]), inputs=[f"{p}filter"], kind="train")]
+                Step(f"{p}train", self.session.train(["solver"]), inputs=[f"{p}filter"], kind="train")]
 
     # -- what R-Quest changes in a solver update ----------------------------------------------------
 
@@ -231,18 +231,18 @@ class RZero(Recipe):
         solver (``solver_rollouts`` each), plus, for R-Quest, the replayed initialisation
         problems (:meth:`replay_problems`), together ``solver_batch`` questions."""
         def rollout(ctx: StepContext, pool: list[dict]) -> list[dict]:
-            c, s = self.c, self.session
             if not pool:
                 return []
             run_seed = self.settings.run.seed
-            size = min(max(1, c.solver_batch - replay_count(c.solver_batch, self.share)), len(pool))
+            size = min(max(1, self.c.solver_batch - replay_count(self.c.solver_batch, self.share)), len(pool))
             chosen = walk(pool, size, step - 1,
                           lambda epoch: stage_seed(run_seed, ctx.iteration, f"pool-epoch-{epoch}"))
-            out = s.solve_records(ctx, [dict(r) for r in chosen], c.solver_rollouts, "math", trained=True)
+            out = self.session.solve_records(ctx, [dict(r) for r in chosen], self.c.solver_rollouts, "math",
+                                             trained=True)
             replay = self.replay_problems(ctx, step, replay_count(size, self.share / (1 - self.share)))
             if replay:
-                out += s.solve_records(ctx, replay, c.solver_rollouts, "validity", trained=True,
-                                       seed=stage_seed(run_seed, ctx.iteration, f"replay-{step}"))
+                out += self.session.solve_records(ctx, replay, self.c.solver_rollouts, "validity", trained=True,
+                                                  seed=stage_seed(run_seed, ctx.iteration, f"replay-{step}"))
             return out
         return rollout
 
@@ -305,11 +305,10 @@ class RQuest(RZero):
     def judge_validity(self, p: str, after: str) -> list[Step]:
         """u(q): the solver judges each parsed question ``validity_samples`` times in validity
         mode (it may answer INVALID); the share of INVALID answers is u."""
-        s, c = self.session, self.c
-        return [Step(f"{p}solve-validity", s.solve(c.validity_samples, "validity"), inputs=[after],
-                     only=marked_valid, kind="solve"),
-                Step(f"{p}verify-validity", s.verify(pseudo_label=True), inputs=[f"{p}solve-validity"],
-                     only=has_samples, kind="verify")]
+        return [Step(f"{p}solve-validity", self.session.solve(self.c.validity_samples, "validity"),
+                     inputs=[after], only=marked_valid, kind="solve"),
+                Step(f"{p}verify-validity", self.session.verify(pseudo_label=True),
+                     inputs=[f"{p}solve-validity"], only=has_samples, kind="verify")]
 
     def judge_novelty(self, p: str, after: str) -> list[Step]:
         """The frozen judge compares each question with ``novelty_k`` others of the batch."""
@@ -318,13 +317,13 @@ class RQuest(RZero):
     def train_validity_init(self, step: int) -> list[Step]:
         """Initialisation update ``step``: a batch of the labelled set, validity-mode answers,
         R_init groups, the update (the last one restarts the solver from its checkpoint)."""
-        s, c, p = self.session, self.c, f"init{step}-"
+        p = f"init{step}-"
         return [Step(f"{p}solve", self.init_solve(step), kind="solve"),
-                Step(f"{p}verify", s.verify(pseudo_label=False), inputs=[f"{p}solve"],
+                Step(f"{p}verify", self.session.verify(pseudo_label=False), inputs=[f"{p}solve"],
                      only=has_samples, kind="verify"),
                 Step(f"{p}filter", self.validity_groups, inputs=[f"{p}verify"], kind="filter"),
-                Step(f"{p}train", s.train(["solver"], checkpoints="solver-init",
-                                          restart=step == c.init_steps),
+                Step(f"{p}train", self.session.train(["solver"], checkpoints="solver-init",
+                                          restart=step == self.c.init_steps),
                      inputs=[f"{p}filter"], kind="train")]
 
     def runs_validity_init(self) -> bool:

@@ -55,26 +55,24 @@ class Svs(Recipe):
         self._data: list[dict] | None = None
 
     def plan(self, iteration: int) -> list[Step]:
-        s, c = self.session, self.c
         steps = [Step("sample", self.sample),
-                 Step("solve", s.solve(c.samples, trained=True), inputs=["sample"]),
-                 Step("verify", s.verify(pseudo_label=False), inputs=["solve"])]
+                 Step("solve", self.session.solve(self.c.samples, trained=True), inputs=["sample"]),
+                 Step("verify", self.session.verify(pseudo_label=False), inputs=["solve"])]
         graded = ["verify"]
         if self.synthesizes:
             steps += self.synthesis()
             graded.append("verify-variants")
         return steps + [Step("filter", self.filter(), inputs=graded),
-                        Step("train", s.train(s.roles()), inputs=["filter"])]
+                        Step("train", self.session.train(self.session.roles()), inputs=["filter"])]
 
     def synthesis(self) -> list[Step]:
         """Variational problem synthesis (SvS §3.3): variants from correct solutions of the
         under-performing problems, solved and graded against the original answer."""
-        s, c = self.session, self.c
         return [
             Step("challenge", self.synthesize, inputs=["verify"]),
-            Step("solve-variants", s.solve(c.samples, trained=True), inputs=["challenge"],
+            Step("solve-variants", self.session.solve(self.c.samples, trained=True), inputs=["challenge"],
                  only=marked_valid, kind="solve"),
-            Step("verify-variants", s.verify(pseudo_label=False), inputs=["solve-variants"],
+            Step("verify-variants", self.session.verify(pseudo_label=False), inputs=["solve-variants"],
                  only=has_samples, kind="verify"),
         ]
 

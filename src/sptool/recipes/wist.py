@@ -98,15 +98,15 @@ class Wist(Recipe):
         self._encoder = None
 
     def plan(self, iteration: int) -> list[Step]:
-        s, c = self.session, self.c
         return [
             Step("tree-expand", self.expand),
             Step("corpus-fetch", self.fetch, inputs=["tree-expand"]),
             Step("challenge", self.challenge, inputs=["corpus-fetch"]),
-            Step("solve", s.solve(c.samples, trained=True), inputs=["challenge"]),
-            Step("verify", s.verify(pseudo_label=False), inputs=["solve"]),
+            Step("solve", self.session.solve(self.c.samples, trained=True), inputs=["challenge"]),
+            Step("verify", self.session.verify(pseudo_label=False), inputs=["solve"]),
             Step("filter", self.filter(), inputs=["verify"]),
-            Step("train", s.train(s.roles(), completions_per_update=c.train_batch), inputs=["filter"]),
+            Step("train", self.session.train(self.session.roles(), completions_per_update=self.c.train_batch),
+                 inputs=["filter"]),
             Step("posterior-update", self.update_posterior, inputs=["verify"]),
         ]
 

@@ -13,13 +13,13 @@ Hugging Face cache); wandb follows ``WANDB_MODE`` (``offline`` for no network).
 from __future__ import annotations
 
 import contextlib
-import difflib
 import importlib.util
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from sptool.records import UsageError
+from sptool.registry import closest
 from sptool.run.run_dir import StepKey
 
 TRACKERS = ("tensorboard", "trackio", "wandb")
@@ -35,7 +35,7 @@ def parse_log_with(values: list[str]) -> list[str]:
             if not name or name == "none":
                 continue
             if name not in TRACKERS:
-                close = difflib.get_close_matches(name, TRACKERS, n=1)
+                close = closest(name, TRACKERS)
                 hint = f"; did you mean '{close[0]}'?" if close else f" (one of: {', '.join(TRACKERS)})"
                 raise UsageError(f"--log-with: unknown tracker '{name}'{hint}")
             if importlib.util.find_spec(_PACKAGES[name]) is None:
