@@ -116,8 +116,8 @@ HEAVY_FIRST = [
     "test_run.py::test_tiny_recipe_completes_with_the_real_model[wist]",
     "test_readme.py::test_readme_code_blocks_run_in_order",
     "test_run.py::test_tiny_recipe_completes_with_the_real_model[rquest]",
-    "test_run.py::test_tiny_recipe_completes_with_the_real_model[svs]",
     "test_run.py::test_tiny_recipe_completes_with_the_real_model[rzero]",
+    "test_run.py::test_tiny_recipe_completes_with_the_real_model[svs]",
     "test_run.py::test_tiny_recipe_completes_with_the_real_model[rlvr]",
     "scripted-rquest", "scripted-svs", "scripted-wist",              # test_run: shared scripted runs
 ]
