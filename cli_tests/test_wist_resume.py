@@ -24,6 +24,7 @@ def metrics_of(run_dir):
     return [{k: v for k, v in m.items() if k not in ("wall_s", "roles")} for m in read_jsonl(run_dir / "metrics.jsonl")]
 
 
+@pytest.mark.slow  # like test_run's kill-resume tests: 7 runs of the 1-layer random policy, ~3.5 min on 2 busy cores
 @shares_run("wist")
 def test_wist_sigkill_at_every_hook_point_then_resume_equals_uninterrupted_run(tmp_path, random_policy,
                                                                              scripted_run):
