@@ -68,7 +68,7 @@ def test_scripted_script_with_huge_integer_or_bad_regex(cli, tmp_path):
 
 
 def test_report_on_a_run_dir_with_a_huge_integer(cli, tmp_path):
-    (tmp_path / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": ' + HUGE + '}\n')
+    (tmp_path / "metrics.jsonl").write_text('{"iteration": 1, "stage": "solve"}\n{"iteration": ' + HUGE + '}\n')
     error = one_line(cli(["report", tmp_path]))
     assert f"{tmp_path / 'metrics.jsonl'}:2:" in error and "digits" in error, error
 
