@@ -180,7 +180,8 @@ def test_eval_on_a_math_layout_file_prints_name_size_and_preset(tmp_path):
 @pytest.mark.slow
 def test_rlvr_run_from_a_parquet_gsm8k_file_with_the_preset(tmp_path, random_policy):
     """`--data file.parquet --set data.preset=gsm8k` trains (scripted generation, a random
-    1-layer policy): the sampled problems carry the extracted answers and the policy steps."""
+    1-layer policy, LoRA): the sampled problems carry the extracted answers and the policy steps;
+    the run exports merged and as an adapter."""
     rows = [{"question": "What is 12 + 30?", "answer": "12 + 30 = 42\n#### 42"},
             {"question": "What is 7 times 8?", "answer": "7 * 8 = 56\n#### 56"}]
     data = write_parquet(tmp_path / "train.parquet", rows)
@@ -189,16 +190,23 @@ def test_rlvr_run_from_a_parquet_gsm8k_file_with_the_preset(tmp_path, random_pol
     result = run_sptool("run", "--recipe", "rlvr", "--tiny", "--run-dir", str(run_dir), "--backend", "scripted",
                         "-m", random_policy, "--set", f'model.script="{SCRIPT}"', "--keep", "1", "-q", "-n", "1",
                         "--data", str(data), "--set", "data.preset=gsm8k",
-                        "--eval", str(bench), "--set", "eval.preset=gsm8k", "--set", "eval.samples=0", env=ENV)
+                        "--eval", str(bench), "--set", "eval.preset=gsm8k", "--set", "eval.samples=0",
+                        "--set", "train.lora_r=4", env=ENV)
     assert result.returncode == 0, result.stderr
     sampled = read_jsonl(next(run_dir.glob("iter-0001/*-sample.jsonl")))
     assert {(r["question"], r["answer"]) for r in sampled} == {("What is 12 + 30?", "42"), ("What is 7 times 8?", "56")}
     train = [line for line in read_jsonl(run_dir / "metrics.jsonl") if line["kind"] == "train"]
     assert train[-1]["roles"]["policy"]["step"] == 1
-    assert (run_dir / "ckpt" / "policy" / "step-0001" / "model.safetensors").is_file()
     evals = [line for line in read_jsonl(run_dir / "metrics.jsonl") if line["kind"] == "eval"]
     assert [sorted(line["benchmarks"]) for line in evals] == [["bench"], ["bench"]]
+    # a LoRA run: exported merged into its base (a plain directory), or as the peft adapter
+    assert (run_dir / "ckpt" / "policy" / "step-0001" / "adapter_config.json").is_file()
     check_export(run_dir, tmp_path, str(data), curve=True)
+    adapter = tmp_path / "adapter"
+    result = run_sptool("export", str(run_dir), "--output", str(adapter), "--adapter", "-q")
+    assert result.returncode == 0, result.stderr
+    assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "config.json").exists()
+    assert "LoRA adapter (peft)" in (adapter / "README.md").read_text()
 
 
 # ------------------------------------------------------------------------------ sptool export
