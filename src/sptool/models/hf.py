@@ -314,7 +314,7 @@ class HFBackend:
 
                 options["stopping_criteria"] = StoppingCriteriaList(criteria)
             torch.manual_seed(params.seed * 1_000_003 + batch_index)
-            with torch.inference_mode():
+            with torch.inference_mode(), _regional_compile_off(self.model):
                 try:
                     output = self.model.generate(**encoded, **options)
                 except Exception as exc:  # noqa: BLE001 - only a first compiled call falls back
@@ -436,3 +436,29 @@ class _LogprobRecorder:
         if not columns:
             return [[] for _ in range(real)]
         return torch.stack(columns, dim=1).tolist()
+
+
+class _regional_compile_off:
+    """The trainer's regionally compiled modules (``nn.Module.compile()``: its decoder layers on
+    CUDA) run their plain forward while generating: compiled for training, the layers' one
+    compiled forward would otherwise recompile for each cache layer it is handed (dynamo guards
+    on the cache layer; seen on CPU with a static cache: dynamo's recompile limit of 8 hit in the
+    first prefill), a limit it shares with the training graphs. The compiled decoding step, when
+    on, traces the plain layers itself."""
+
+    def __init__(self, model):
+        self.model, self.saved = model, []
+
+    def __enter__(self):
+        for module in self.model.modules():
+            compiled = getattr(module, "_compiled_call_impl", None)
+            if compiled is not None:
+                self.saved.append((module, compiled))
+                module._compiled_call_impl = None
+        return self
+
+    def __exit__(self, *exc):
+        for module, compiled in self.saved:
+            module._compiled_call_impl = compiled
+        self.saved = []
+        return False
