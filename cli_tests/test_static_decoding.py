@@ -142,3 +142,54 @@ def test_compiled_decoder_sees_every_update_on_gpu(tiny_model_dir):
     trainer, eager, fast = check_update_visibility(tiny_model_dir, "cuda", compile=True, tie=0.25)
     assert fast.decoding == "compiled"  # no fallback to eager on the way
     assert counters["stats"]["unique_graphs"] >= 1  # the decoding step really went through dynamo
+
+
+@pytest.mark.slow
+def test_compiled_decoding_step_traces_once_and_reads_weights_in_place_on_cpu(hf_backend_cpu):
+    """The compiled path on CPU through dynamo (``aot_eager``: no CUDA graphs, no inductor
+    build): the decoding step is one graph, the model's regionally compiled layers (as the
+    trainer compiles them on CUDA) do not recompile per cache layer, and after an in-place
+    change of every weight the compiled step writes the eager greedy tokens, without a new graph."""
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+
+    eager = hf_backend_cpu
+    for layer in eager.model.model.layers:
+        layer.compile()
+    fast = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, static_cache=True)
+    config = CompileConfig(backend="aot_eager", mode=None)
+    config._compile_all_devices = True  # transformers' switch for compiling off CUDA
+    fast.compile, fast._compile_config = True, config
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    prompts = ["What is 2 + 3?", "Name a colour."]
+    graphs = counters["stats"]["unique_graphs"]
+    before = greedy_of(fast, prompts, params)
+    assert before == greedy_of(eager, prompts, params)
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # one decoding graph, no layer recompiles
+    with torch.no_grad():
+        torch.manual_seed(0)
+        for parameter in eager.model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.02)  # in place, as an optimizer step
+    after = greedy_of(fast, prompts, params)
+    assert after != before and after == greedy_of(eager, prompts, params)
+    assert counters["stats"]["unique_graphs"] - graphs == 1 and fast._compile_proven
+
+
+def greedy_of(backend, prompts, params) -> list[list[int]]:
+    return [row[0].token_ids for row in backend.generate(prompts, 1, params)]
+
+
+@pytest.fixture
+def hf_backend_cpu():
+    """A private tiny model on CPU (this test changes its weights and compiles its layers)."""
+    from sptool.models.hf import HFBackend
+
+    backend = HFBackend("tiny", device="cpu", batch_size=8)
+    yield backend
+    for layer in backend.model.model.layers:
+        layer._compiled_call_impl = None
+    backend.close()
