@@ -165,9 +165,9 @@ def decode_json(raw: bytes | str, *, source: str, line: int = 0, what: str = "JS
         raise InputError(f"refused JSON value ({exc})", source=source, line=line) from None
 
 
-def load_json_file(path: str | os.PathLike, *, what: str = "JSON") -> Any:
-    """A whole JSON file (tree, manifest, state) read through :func:`decode_json`: one
-    :class:`InputError` naming the file for every problem, bounded in size like a line."""
+def read_bounded(path: str | os.PathLike, what: str) -> bytes:
+    """A whole file's bytes, at most :data:`MAX_LINE_BYTES` (like a line); unreadable or larger
+    is one :class:`InputError` naming the file."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as handle:
@@ -177,6 +177,14 @@ def load_json_file(path: str | os.PathLike, *, what: str = "JSON") -> Any:
     if len(data) > MAX_LINE_BYTES:
         raise InputError(f"larger than {MAX_LINE_BYTES} bytes, refusing to read it as {what}",
                          source=path)
+    return data
+
+
+def load_json_file(path: str | os.PathLike, *, what: str = "JSON") -> Any:
+    """A whole JSON file (tree, manifest, state) read through :func:`decode_json`: one
+    :class:`InputError` naming the file for every problem, bounded in size like a line."""
+    path = os.fspath(path)
+    data = read_bounded(path, what)
     return decode_json(data, source=path, what=what)
 
 
@@ -184,14 +192,7 @@ def read_text_file(path: str | os.PathLike, *, what: str = "text") -> str:
     """A whole UTF-8 text file (a TOML config, a policy file), bounded like a line; not UTF-8,
     unreadable or too large is one :class:`InputError` naming ``path:line``."""
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_LINE_BYTES + 1)
-    except OSError as exc:
-        raise InputError(f"cannot read ({exc.strerror or exc})", source=path) from None
-    if len(data) > MAX_LINE_BYTES:
-        raise InputError(f"larger than {MAX_LINE_BYTES} bytes, refusing to read it as {what}",
-                         source=path)
+    data = read_bounded(path, what)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
