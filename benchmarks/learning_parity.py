@@ -1,34 +1,42 @@
 """Learning parity: a bare Dr. GRPO loop, TRL's ``GRPOTrainer`` and ``sptool run --recipe rlvr``.
 
-Three arms train the same model on the same labelled set (default ``fixtures/addition_small_train.jsonl``:
-sums of two numbers from 2 to 19; on the two-digit sums of ``fixtures/addition_train.jsonl`` the tiny
-model gets no sample right, pass@4 = 0 over 64 problems, so no arm has a learning signal) with
-the same prompt (a template file, rendered by the tokenizer's chat template, then an assistant
-prefix, default sptool's few-shot ``direct`` prompt with prefix ``\\boxed{`` and stop ``}``), reward (1 for the
+Every arm trains the same model on the same labelled set with the same prompt, reward (1 for the
 right ``\\boxed{}`` answer, 0.1 for a box with a wrong answer, 0 without a box), sampling
-(temperature 1, top-p 1, no top-k), token budget, learning rate (constant, AdamW, clip 1.0),
-batch (problems × samples per optimizer step, one step per batch) and seed:
+(temperature 1, top-p 1, no top-k), token budget, learning rate (constant, AdamW, clip 1.0), batch
+(problems × samples per optimizer step, one step per batch) and seed. The default task is the
+hard one: two-digit sums (``fixtures/addition_train.jsonl``), the zero-shot prompt
+``{question} Put the final answer in \\boxed{}.`` with no assistant prefix and no stop string,
+30 steps, held-out greedy accuracy on 300 two-digit sums the training set does not hold
+(``fixtures/bench/addition_heldout_300.jsonl``). ``--task small`` is the easy setting of earlier
+runs (sums of 2..19, sptool's few-shot ``direct`` prompt, prefix ``\\boxed{``, stop ``}``).
 
 - **bare**: the ~100-line loop below (``model.generate``, reward, one Dr. GRPO step: advantage
-  ``r − mean(group)``, loss ``Σ_i A_i Σ_t −log π(y_t) / (N · max_tokens)``); nothing from sptool
-  but the data files (and the path of the converted tiny model);
+  ``r − mean(group)``, loss ``Σ_i A_i Σ_t −log π(y_t) / (N · max_tokens)``), float32 throughout
+  (``--bare-bf16``: its training forward under bf16 autocast); nothing from sptool but the data
+  files (and the path of the converted tiny model);
 - **trl**: ``trl.GRPOTrainer`` (``loss_type="dr_grpo"``, ``scale_rewards="none"``, ``beta=0``,
-  transformers generation, constant learning rate; its other defaults, e.g. gradient
-  checkpointing, stay);
-- **sptool**: ``sptool run --recipe rlvr`` in a subprocess, with the same values as ``--set``.
+  transformers generation, constant learning rate, float32; ``--trl-bf16`` for ``bf16=True``);
+- **sptool**: ``sptool run --recipe rlvr`` in a subprocess with its defaults and the same values as
+  ``--set``; **sptool-fp32** the same with ``train.mixed_precision=no`` and ``model.dtype=fp32``;
+  the diagnosis arms **sptool-bf16** (trainer and sampler in bf16: the default before the
+  precision fix), **sptool-bf16-sampler** (float32 trainer, bf16 sampler) and
+  **sptool-bf16-trainer** (bf16 trainer, float32 sampler).
 
-Each arm prints held-out greedy accuracy (``fixtures/bench/addition_small_heldout.jsonl``, strict: the
-boxed answer must be right) before training, every ``--eval-every`` steps and after the last,
-and seconds per step split into generation, grading, training and the rest (held-out
-evaluation excluded). Results: ``OUT/<arm>.json`` per arm, ``OUT/parity.json`` and
-``OUT/parity.txt`` (the table) for every arm found in ``OUT``.
+Held-out accuracy is measured the same way for every arm, by the function below (greedy, strict:
+the last boxed answer must be right): before training, every ``--eval-every`` steps and after the
+last; the sptool arms save a checkpoint at those steps and are evaluated from it. Seconds per step
+are split into generation, grading, training and the rest (held-out evaluation excluded).
+Results: ``OUT/<arm>.json`` per arm, ``OUT/parity.json`` and ``OUT/parity.txt`` (the table) for
+every arm found in ``OUT``.
 
-    python benchmarks/learning_parity.py --device cpu --steps 2            # smoke test (tiny batch)
-    python benchmarks/learning_parity.py --device cuda --steps 30 --arms bare,trl --out DIR
+    python benchmarks/learning_parity.py --device cuda --arms sptool,sptool-fp32,bare,trl --out DIR
+    python benchmarks/learning_parity.py --device cuda --arms sptool-bf16,sptool-bf16-sampler --parallel 2
     python benchmarks/learning_parity.py --report DIR                      # the table of DIR
+    python benchmarks/learning_parity.py --device cpu --steps 2            # smoke test (tiny batch)
 
 On CPU the defaults shrink to a smoke test (2 problems × 2 samples, 8 new tokens, 4 held-out
-problems: a CPU step of the tiny model costs seconds per sequence); on CUDA they are the issue's settings (64 × 8, 64 new tokens, all 64 held-out).
+problems); on CUDA they are 64 × 8, 64 new tokens, all held-out problems. ``--parallel N`` runs N
+arms at once on the one GPU (learning curves only: their seconds per step are not comparable).
 """
 
 from __future__ import annotations
@@ -50,7 +58,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parent.parent
-ARMS = ("bare", "trl", "sptool")
+# sptool arms: the extra --set values of each (train.mixed_precision: the trainer's autocast;
+# model.dtype: the precision the generator sharing the trainer's policy samples in)
+SPTOOL_ARMS = {
+    "sptool": {},
+    "sptool-fp32": {"train.mixed_precision": "no", "model.dtype": "fp32"},
+    "sptool-bf16": {"train.mixed_precision": "bf16", "model.dtype": "bf16"},
+    "sptool-bf16-sampler": {"train.mixed_precision": "no", "model.dtype": "bf16"},
+    "sptool-bf16-trainer": {"train.mixed_precision": "bf16", "model.dtype": "fp32"},
+    "sptool-fp16-trainer": {"train.mixed_precision": "fp16", "model.dtype": "fp32"},
+}
+ARMS = ("bare", "trl", *SPTOOL_ARMS)
+TASKS = {
+    "sums": {"train": "fixtures/addition_train.jsonl", "heldout": "fixtures/bench/addition_heldout_300.jsonl",
+             "prompt": "benchmarks/prompt_zero_shot.txt", "prefix": "", "stop": ""},
+    "small": {"train": "fixtures/addition_small_train.jsonl", "heldout": "fixtures/bench/addition_small_heldout.jsonl",
+              "prompt": "src/sptool/prompts/solve_direct.txt", "prefix": "\\boxed{", "stop": "}"},
+}
 PARTS = ("generation", "grading", "training", "other")
 
 
@@ -66,12 +90,15 @@ class Settings:
     eval_every: int
     micro_batch: int
     model: str = "tiny"
-    train: str = str(ROOT / "fixtures/addition_small_train.jsonl")
-    heldout: str = str(ROOT / "fixtures/bench/addition_small_heldout.jsonl")
+    task: str = "sums"
+    train: str = str(ROOT / TASKS["sums"]["train"])
+    heldout: str = str(ROOT / TASKS["sums"]["heldout"])
     heldout_limit: int = 0
-    prompt: str = str(ROOT / "src/sptool/prompts/solve_direct.txt")
-    prefix: str = "\\boxed{"  # the assistant's reply starts here (every arm)
-    stop: str = "}"  # and ends at this string
+    prompt: str = str(ROOT / TASKS["sums"]["prompt"])
+    prefix: str = ""  # the assistant's reply starts here (every arm)
+    stop: str = ""  # and ends at this string
+    bare_bf16: bool = False  # the bare loop's training forward under bf16 autocast
+    trl_bf16: bool = False
 
     @property
     def cuda(self) -> bool:
@@ -262,7 +289,8 @@ def run_bare(settings: Settings, recorder: Recorder) -> None:
     train, heldout = read_jsonl(settings.train), read_jsonl(settings.heldout, settings.heldout_limit)
     stops = torch.tensor(eos_ids(model, tokenizer), device=settings.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if settings.cuda else torch.autocast("cpu", enabled=False)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if settings.cuda and settings.bare_bf16 \
+        else torch.autocast(settings.device.split(":")[0], enabled=False)
     order: list[int] = []
 
     def evaluate(step: int) -> None:
@@ -364,7 +392,7 @@ def run_trl(settings: Settings, recorder: Recorder) -> None:
         per_device_train_batch_size=micro, gradient_accumulation_steps=completions_per_step // micro,
         num_generations=settings.samples, max_completion_length=settings.max_tokens,
         temperature=1.0, top_p=1.0, top_k=0, seed=settings.seed, report_to="none", save_strategy="no",
-        logging_steps=1, disable_tqdm=True, use_cpu=not settings.cuda, bf16=settings.cuda,
+        logging_steps=1, disable_tqdm=True, use_cpu=not settings.cuda, bf16=settings.cuda and settings.trl_bf16,
     )
     clock = Clock(settings)
     step_rewards: list[float] = []
@@ -439,12 +467,10 @@ def run_trl(settings: Settings, recorder: Recorder) -> None:
 
 # ---------------------------------------------------------------------------- (c) sptool run
 
-def run_sptool(settings: Settings, recorder: Recorder, workdir: Path) -> None:
+def run_sptool(settings: Settings, recorder: Recorder, workdir: Path, arm: str = "sptool") -> None:
     """``sptool run --recipe rlvr`` in a subprocess; per-step seconds from its stage timings and the
-    moments its iterations start (stderr), accuracies from its held-out evaluations."""
-    heldout = workdir / "heldout.jsonl"
-    heldout.write_text("".join(json.dumps(p) + "\n" for p in read_jsonl(settings.heldout, settings.heldout_limit)),
-                       encoding="utf-8")
+    moments its iterations start (stderr). It checkpoints at every evaluation step; accuracies come
+    from those checkpoints through :func:`greedy_accuracy`, as for the other arms."""
     run_dir = workdir / "run"
     sets = {
         "rlvr.data": settings.train, "rlvr.problems": settings.problems, "rlvr.samples": settings.samples,
@@ -457,8 +483,8 @@ def run_sptool(settings: Settings, recorder: Recorder, workdir: Path) -> None:
         "model.gen_batch_size": settings.problems * settings.samples,
         "verify.require_boxed": True, "prompts.solve": settings.prompt,
         "prompts.solve_prefix": settings.prefix, "prompts.solve_stop": [settings.stop] if settings.stop else [],
-        "eval.benchmarks": str(heldout), "eval.every": settings.eval_every, "eval.samples": 0,
-        "eval.max_tokens": settings.max_tokens,
+        "run.checkpoint_every": settings.eval_every or settings.steps, "run.keep": 0,
+        **SPTOOL_ARMS[arm],
     }
     command = [sys.executable, "-m", "sptool.cli.main", "run", "--recipe", "rlvr", "--run-dir", str(run_dir),
                "-n", str(settings.steps), "--seed", str(settings.seed)]
@@ -477,16 +503,21 @@ def run_sptool(settings: Settings, recorder: Recorder, workdir: Path) -> None:
             match = re.match(r"\s*iteration (\d+)/\d+", line)
             if match:
                 starts[int(match.group(1))] = time.perf_counter()
-            if re.search(r"(iteration \d+/|records in|held-out)", line):
-                print(f"[sptool] {line.rstrip()}", file=sys.stderr, flush=True)
+            if re.search(r"(iteration \d+/|records in|precision)", line):
+                print(f"[{arm}] {line.rstrip()}", file=sys.stderr, flush=True)
     ended = time.perf_counter()
     if process.returncode != 0:
         raise RuntimeError(f"sptool run failed (exit {process.returncode}):\n" + "\n".join(tail))
     recorder.notes["process_wall_s"] = ended - began
+    config_toml = run_dir / "config.toml"
+    if config_toml.is_file():
+        recorder.notes["config_precision"] = [line for line in config_toml.read_text().splitlines()
+                                              if "precision" in line or line.startswith(("sampler", "trainer",
+                                                                                         "reference"))]
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     kinds = {"solve": "generation", "verify": "grading", "train": "training"}
     for step in range(1, settings.steps + 1):
-        mine = [line for line in lines if line["iteration"] == step]
+        mine = [line for line in lines if line.get("iteration") == step]
         until = starts.get(step + 1, ended)
         eval_s = sum(line["wall_s"] for line in mine if line["kind"] == "eval")
         seconds = {"total": until - starts[step] - eval_s}
@@ -500,11 +531,24 @@ def run_sptool(settings: Settings, recorder: Recorder, workdir: Path) -> None:
         solve = next((line for line in mine if line["kind"] == "solve"), {})
         recorder.step(step, seconds, mean_reward=means[0] if means else None,
                       train_accuracy=verify.get("accuracy"), truncated_rate=solve.get("truncated_rate"))
-    for line in lines:
-        if line["kind"] == "eval":
-            values = next(iter(line["benchmarks"].values()))
-            recorder.evaluation(line["after_iteration"], values["greedy"], line["wall_s"])
-    recorder.notes["stage_wall_s"] = [{k: line[k] for k in ("iteration", "stage", "wall_s")} for line in lines]
+    recorder.notes["stage_wall_s"] = [{k: line.get(k) for k in ("iteration", "stage", "wall_s")} for line in lines]
+    # held-out accuracy from the checkpoints, by the same function as the other arms
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    template = Path(settings.prompt).read_text(encoding="utf-8")
+    heldout = read_jsonl(settings.heldout, settings.heldout_limit)
+    model, tokenizer = load_model(settings)
+    for step in settings.eval_steps():
+        if step:
+            found = sorted(run_dir.glob(f"ckpt/*/step-{step:04d}"))
+            if not found:
+                print(f"[{arm}] no checkpoint for step {step}", file=sys.stderr)
+                continue
+            model = AutoModelForCausalLM.from_pretrained(found[0], dtype=torch.float32).to(settings.device)
+        begin = time.perf_counter()
+        recorder.evaluation(step, greedy_accuracy(model, tokenizer, heldout, template, settings),
+                            time.perf_counter() - begin)
 
 
 # ---------------------------------------------------------------------------- report
@@ -523,20 +567,20 @@ def report(out: Path) -> str:
     lines = [f"learning parity: {first['problems']} problems x {first['samples']} samples, "
              f"{first['max_tokens']} new tokens, lr {first['lr']}, device {first['device']}, seed {first['seed']}",
              "", "held-out greedy accuracy after N steps",
-             f"{'arm':<8}" + "".join(f"{s:>8}" for s in eval_steps)]
+             f"{'arm':<20}" + "".join(f"{s:>8}" for s in eval_steps)]
     summary: dict = {"settings": first, "arms": {}}
     for r in results:
         by_step = {e["step"]: e["greedy_accuracy"] for e in r["evals"]}
-        lines.append(f"{r['arm']:<8}" + "".join(f"{by_step[s]:>8.3f}" if s in by_step else f"{'-':>8}"
+        lines.append(f"{r['arm']:<20}" + "".join(f"{by_step[s]:>8.3f}" if s in by_step else f"{'-':>8}"
                                                for s in eval_steps))
     lines += ["", "seconds per step (mean over steps 2..N; step 1 includes warm-up), held-out evaluation excluded",
-              f"{'arm':<8}{'step 1':>8}{'total':>8}" + "".join(f"{p:>12}" for p in PARTS) + f"{'eval/call':>11}"]
+              f"{'arm':<20}{'step 1':>8}{'total':>8}" + "".join(f"{p:>12}" for p in PARTS) + f"{'eval/call':>11}"]
     for r in results:
         later = [s for s in r["steps"] if s["step"] >= 2] or r["steps"]
         row = {key: mean([s[key] for s in later]) for key in ("total", *PARTS)}
         step1 = r["steps"][0]["total"] if r["steps"] else float("nan")
         eval_s = mean([e["seconds"] for e in r["evals"]]) or 0.0
-        lines.append(f"{r['arm']:<8}{step1:>8.2f}{row['total']:>8.2f}" +
+        lines.append(f"{r['arm']:<20}{step1:>8.2f}{row['total']:>8.2f}" +
                      "".join(f"{row[p]:>12.2f}" for p in PARTS) + f"{eval_s:>11.1f}")
         summary["arms"][r["arm"]] = {"accuracy": {str(e["step"]): e["greedy_accuracy"] for e in r["evals"]},
                                      "seconds_per_step": row, "first_step_s": step1, "eval_s": eval_s,
@@ -551,8 +595,11 @@ def report(out: Path) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated: bare, trl, sptool")
+    parser.add_argument("--arms", default="sptool,sptool-fp32,bare,trl", help=f"comma-separated: {', '.join(ARMS)}")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--task", default="sums", choices=sorted(TASKS),
+                        help="sums: two-digit sums, zero-shot prompt (default); small: sums of 2..19, few-shot, "
+                             "prefix and stop")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--problems", type=int, default=None, help="problems per step (cpu 2, cuda 64)")
     parser.add_argument("--samples", type=int, default=None, help="samples per problem (cpu 2, cuda 8)")
@@ -563,14 +610,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--heldout-limit", type=int, default=None, help="first N held-out problems (cpu 4, cuda all)")
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (cuda 128)")
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--prompt", default=Settings.prompt,
-                        help="solver prompt template file ({question}); default sptool's few-shot 'direct' prompt")
-    parser.add_argument("--prefix", default=Settings.prefix, help="assistant reply prefix (every arm)")
-    parser.add_argument("--stop", default=Settings.stop, help="stop string ('' for none)")
-    parser.add_argument("--train", default=str(ROOT / "fixtures/addition_small_train.jsonl"),
-                        help="training problems (JSONL question, answer)")
-    parser.add_argument("--heldout", default=str(ROOT / "fixtures/bench/addition_small_heldout.jsonl"),
-                        help="held-out problems (JSONL question, answer)")
+    parser.add_argument("--prompt", default=None, help="solver prompt template file ({question}); default the task's")
+    parser.add_argument("--prefix", default=None, help="assistant reply prefix (every arm); default the task's")
+    parser.add_argument("--stop", default=None, help="stop string ('' for none); default the task's")
+    parser.add_argument("--train", default=None, help="training problems (JSONL question, answer); default the task's")
+    parser.add_argument("--heldout", default=None, help="held-out problems (JSONL question, answer); default the task's")
+    parser.add_argument("--bare-bf16", action="store_true", help="the bare loop's training forward under bf16 autocast")
+    parser.add_argument("--trl-bf16", action="store_true", help="TRL with bf16=True")
+    parser.add_argument("--parallel", type=int, default=1, help="arms run at once (learning curves only)")
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/parity-DEVICE)")
     parser.add_argument("--report", default=None, metavar="DIR", help="only print the table of DIR")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -585,12 +632,17 @@ def settings_from(args: argparse.Namespace) -> Settings:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = device.startswith("cuda")
     pick = lambda value, gpu, cpu: value if value is not None else (gpu if cuda else cpu)  # noqa: E731
+    task = TASKS[args.task]
+    given = lambda value, key: value if value is not None else (  # noqa: E731
+        str(ROOT / task[key]) if key in ("train", "heldout", "prompt") else task[key])
     problems, samples = pick(args.problems, 64, 2), pick(args.samples, 8, 2)
     return Settings(device=device, steps=args.steps, problems=problems, samples=samples,
                     max_tokens=pick(args.max_tokens, 64, 8), lr=args.lr, seed=args.seed,
                     eval_every=args.eval_every, micro_batch=pick(args.micro_batch, 128, problems * samples),
-                    model=args.model, heldout_limit=pick(args.heldout_limit, 0, 4), prompt=args.prompt,
-                    prefix=args.prefix, stop=args.stop, train=args.train, heldout=args.heldout)
+                    model=args.model, task=args.task, heldout_limit=pick(args.heldout_limit, 0, 4),
+                    prompt=given(args.prompt, "prompt"), prefix=given(args.prefix, "prefix"),
+                    stop=given(args.stop, "stop"), train=given(args.train, "train"),
+                    heldout=given(args.heldout, "heldout"), bare_bf16=args.bare_bf16, trl_bf16=args.trl_bf16)
 
 
 def main(argv=None) -> int:
@@ -615,7 +667,7 @@ def main(argv=None) -> int:
             run_trl(settings, recorder)
         else:
             with tempfile.TemporaryDirectory(prefix="parity-sptool-") as workdir:
-                run_sptool(settings, recorder, Path(workdir))
+                run_sptool(settings, recorder, Path(workdir), args.worker)
         recorder.save(out)
         return 0
     arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
@@ -623,11 +675,20 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"--arms: unknown arm {unknown[0]!r}; choose from {', '.join(ARMS)}")
     failed = []
+    running: list[tuple[str, subprocess.Popen]] = []
+    base = list(argv if argv is not None else sys.argv[1:])
     for arm in arms:  # each arm in its own process: same start, no state shared between arms
         print(f"=== {arm}", file=sys.stderr, flush=True)
-        command = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--worker", arm,
-                   "--device", settings.device, "--out", str(out)]
-        if subprocess.call(command) != 0:
+        command = [sys.executable, __file__, *base, "--worker", arm, "--device", settings.device, "--out", str(out)]
+        running.append((arm, subprocess.Popen(command)))
+        while len(running) >= max(1, args.parallel):
+            done = [(a, p) for a, p in running if p.poll() is not None] or [running[0]]
+            for a, p in done:
+                if p.wait() != 0:
+                    failed.append(a)
+                running.remove((a, p))
+    for arm, process in running:
+        if process.wait() != 0:
             failed.append(arm)
     print(report(out), end="")
     if failed:

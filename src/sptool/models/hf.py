@@ -71,6 +71,21 @@ def pick_dtype(dtype: str | None, device: str):
     return table[dtype]
 
 
+# The precision a generator that shares the trainer's float32 policy samples in, when model.dtype
+# is not given: float32 (measured on the tiny model: sampling under bf16 autocast made RLVR learn
+# several times slower than the float32 sampler; see benchmarks/results/precision-h200/).
+DEFAULT_SHARED_SAMPLER_DTYPE = "fp32"
+
+
+def shared_sampler_autocast(dtype: str | None, device: str):
+    """The autocast dtype (None: the weights' own float32) for sampling from a trainer's policy."""
+    import torch
+
+    name = DEFAULT_SHARED_SAMPLER_DTYPE if dtype in (None, "", "auto") else dtype
+    chosen = pick_dtype(name, device)
+    return None if chosen == torch.float32 else chosen
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
@@ -133,16 +148,24 @@ class HFBackend:
     @classmethod
     def from_model(cls, model, tokenizer=None, *, model_id: str, batch_size: int = 64,
                    chat_template: bool = True, static_cache: bool = False, compile: bool = False,
-                   log=None) -> "HFBackend":
+                   log=None, autocast=None) -> "HFBackend":
         """A backend over an already loaded ``model`` (e.g. a trainer's policy: no copy, so it
         always generates with the current weights, whatever their dtype; the compiled path reads
         the parameters in place too). ``tokenizer`` None: loaded from ``model_id``.
+        ``autocast`` (a torch dtype, e.g. ``torch.bfloat16``): sample under autocast in that dtype
+        instead of the weights' own (float32 master weights: full precision).
         The caller keeps owning the model; :meth:`close` only drops this reference."""
         backend = cls.__new__(cls)
         backend._attach(model, tokenizer if tokenizer is not None else load_tokenizer(model_id),
                         model_id=model_id, path=model_id, batch_size=batch_size, chat_template=chat_template,
                         static_cache=static_cache, compile=compile, log=log)
+        backend.autocast = autocast
         return backend
+
+    @property
+    def precision(self) -> str:
+        """The precision generation computes in: the autocast dtype, else the weights' dtype."""
+        return str(self.autocast or self.dtype).replace("torch.", "")
 
     def _attach(self, model, tokenizer, *, model_id: str, path: str, batch_size: int, chat_template: bool,
                 device: str | None = None, static_cache: bool = False, compile: bool = False,
@@ -163,6 +186,7 @@ class HFBackend:
         self.tokenizer = tokenizer
         self.model = model
         self._torch = torch
+        self.autocast = None  # a dtype: generate under torch.autocast in it
         self.generate_options: dict[str, Any] = {}
         self.log = log
         self.compile = bool(compile) and self.device.startswith("cuda")
@@ -314,7 +338,7 @@ class HFBackend:
 
                 options["stopping_criteria"] = StoppingCriteriaList(criteria)
             torch.manual_seed(params.seed * 1_000_003 + batch_index)
-            with torch.inference_mode(), _regional_compile_off(self.model):
+            with torch.inference_mode(), _regional_compile_off(self.model), self._autocast():
                 try:
                     output = self.model.generate(**encoded, **options)
                 except Exception as exc:  # noqa: BLE001 - only a first compiled call falls back
@@ -348,6 +372,13 @@ class HFBackend:
                                                     finish_reason=finish, logprobs=logprobs,
                                                     token_ids=ids, stop_string=stop_string))
         return results
+
+    def _autocast(self):
+        import contextlib
+
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return self._torch.autocast(self.device.split(":")[0], dtype=self.autocast)
 
     def _cut_at_stop(self, ids: list[int], text: str, stop) -> tuple[list[int], str, str | None]:
         """Ids, text and stop string when a stop string ends the text: the text is cut right after

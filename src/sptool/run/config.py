@@ -53,7 +53,9 @@ class ModelConfig:
     judge: str = setting("", "R-Quest's frozen novelty judge; empty: model.policy",
                          "R-Quest §3: judged by the frozen base model")
     device: str = setting("", "cpu, cuda, cuda:1 …; empty: a GPU when there is one", validate=device_error)
-    dtype: str = setting("", "auto, bf16, fp16, fp32; empty: auto", choices=("", *DTYPES))
+    dtype: str = setting("", "generation precision: auto, bf16, fp16, fp32 (hf sharing the trainer's float32 "
+                         "policy: fp32 unless set; a separately loaded model: bf16 on GPU); empty: auto",
+                         choices=("", *DTYPES))
     gen_batch_size: int = setting(64, "sequences per forward batch (hf backend)", minimum=1)
     chat_template: bool = setting(True, "prompt through the tokenizer's chat template")
     compile_generation: bool = setting(True, "hf backend on CUDA: decode through a static KV cache with "
@@ -82,6 +84,12 @@ class TrainSection:
     lora_r: int = setting(train_default("lora_r"), "LoRA rank (0: full fine-tuning)", minimum=0)
     max_tokens_per_micro_batch: int = setting(train_default("max_tokens_per_micro_batch"),
                                               "tokens per micro-batch (gradient accumulation)", minimum=1)
+    mixed_precision: str = setting("auto", "autocast precision of the trainer's forwards (master weights "
+                                   "and optimizer stay float32): auto (bf16 on CUDA, no on CPU), no, "
+                                   "bf16, fp16 (with a gradient scaler)",
+                                   choices=("auto", "no", "bf16", "fp16"))
+    compile: bool = setting(True, "torch.compile the decoder layers and log-prob kernels on CUDA "
+                            "(false: eager; never on CPU)")
     shared_policy: bool = setting(True, "one policy plays every role (WIST, SvS), else questioner and "
                                   "solver are trained apart (R-Zero, R-Quest)")
 
@@ -186,5 +194,11 @@ class Sections:
 
     def train_options(self) -> dict[str, Any]:
         """The ``[train]`` keys that are ``train-step`` settings (all but ``shared_policy``)."""
-        return {f.name: getattr(self.train, f.name) for f in dataclasses.fields(self.train)
-                if f.name != "shared_policy"}
+        options = {f.name: getattr(self.train, f.name) for f in dataclasses.fields(self.train)
+                   if f.name != "shared_policy"}
+        options["mixed_precision"] = None if options["mixed_precision"] == "auto" else options["mixed_precision"]
+        if options.pop("compile"):
+            options["compile"] = options["compile_kernels"] = None  # on CUDA
+        else:
+            options["compile"] = options["compile_kernels"] = False
+        return options

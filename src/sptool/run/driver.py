@@ -50,7 +50,7 @@ class RunDriver:
 
     def _prepare_dir(self) -> None:
         self.resume = self.run_dir.prepare(self.config, resume=self.resume, defaults=self.recipe.schema(),
-                                           config_text=self.recipe.config_text)
+                                           config_text=lambda: self.recipe.config_text() + precision_comment(self.config))
 
     def first_iteration(self) -> int:
         """0 when the recipe has a phase before its iterations (R-Quest's validity
@@ -186,3 +186,41 @@ class RunDriver:
         self.emit({"event": "stage-done", "stage": key, "iteration": iteration, "records": len(records),
                    "wall_s": wall, "metrics": metrics})
         return records
+
+
+def stage_precisions(config: dict) -> dict[str, str]:
+    """The precision each stage of a run computes in on this machine, resolved from
+    ``train.mixed_precision`` and ``model.dtype``: the sampler, the trainer and the KL reference."""
+    import torch
+
+    from sptool.models.hf import DEFAULT_SHARED_SAMPLER_DTYPE
+    from sptool.train.step import resolve_mixed_precision
+
+    model, train = config["model"], config["train"]
+    device = model.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    mixed = resolve_mixed_precision(None if train.get("mixed_precision") in (None, "auto") else
+                                    train["mixed_precision"], cuda=cuda)
+    trainer = "float32" if mixed == "no" else f"{mixed} autocast (float32 master weights, optimizer and reductions)"
+    names = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "float32",
+             "float32": "float32"}
+    dtype = model.get("dtype") or ""
+    if model.get("backend", "hf") == "hf":
+        chosen = names.get(dtype, names[DEFAULT_SHARED_SAMPLER_DTYPE])
+        sampler = "float32 (the trainer's policy)" if chosen == "float32" else \
+            f"{chosen} autocast over the trainer's float32 policy"
+    else:
+        sampler = names.get(dtype, "bf16" if cuda else "float32") + f" ({model.get('backend')} backend's own copy)"
+    reference = trainer if float(train.get("beta", 0) or 0) > 0 else "none (beta = 0)"
+    return {"sampler": sampler, "trainer": trainer, "reference": reference, "device": device}
+
+
+def precision_comment(config: dict) -> str:
+    """``config.toml``'s closing comment: :func:`stage_precisions` (a comment, so the file still
+    reads back as ``--config``)."""
+    try:
+        found = stage_precisions(config)
+    except (KeyError, ImportError):
+        return ""
+    return "\n# precision on this machine (resolved from train.mixed_precision and model.dtype)\n" + \
+        "".join(f"# {stage} = {value}\n" for stage, value in found.items())

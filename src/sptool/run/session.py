@@ -69,13 +69,14 @@ class Policy:
         if self._backend is None:
             c = self.session.settings.model
             if c.backend == "hf":
-                from sptool.models.hf import HFBackend
+                from sptool.models.hf import HFBackend, shared_sampler_autocast
 
                 trainer = self.trainer
                 self._backend = HFBackend.from_model(
                     trainer.accelerator.unwrap_model(trainer.model), trainer.tokenizer,
                     model_id=str(trainer.config.model), batch_size=c.gen_batch_size,
-                    chat_template=c.chat_template, compile=c.compile_generation, log=self.session.say)
+                    chat_template=c.chat_template, compile=c.compile_generation, log=self.session.say,
+                    autocast=shared_sampler_autocast(c.dtype or None, str(trainer.device)))
                 dist = self.session.dist
                 if dist is not None and dist.is_main and dist.world > 1:
                     from sptool.distributed import ShardedBackend

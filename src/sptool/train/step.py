@@ -162,7 +162,7 @@ class TrainConfig:
     ref_model: str | None = None
     chat_template: bool = True
     device: str | None = None
-    mixed_precision: str | None = None  # "no", "bf16", "fp16"; default bf16 on CUDA, no on CPU
+    mixed_precision: str | None = None  # "no", "bf16", "fp16"; default: DEFAULT_MIXED_PRECISION
     seed: int = 0
     full_logits: bool = False           # the previous path: [tokens × vocabulary] logits (slower, larger)
     entropy: bool = True                # report the policy's entropy (one more pass over each logit chunk)
@@ -236,6 +236,38 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     return batches
 
 
+# The trainer's autocast precision on CUDA when --mixed-precision is not given (the CPU runs fp32).
+# Chosen by measurement: see benchmarks/results/precision-h200/ (training forward in bf16, master
+# weights, optimizer and the log-prob reductions in float32).
+DEFAULT_MIXED_PRECISION = "bf16"
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
+
+
+def resolve_mixed_precision(requested: str | None, *, cuda: bool) -> str:
+    """The autocast precision of the trainer's forwards: ``requested`` ("no", "bf16", "fp16"; None
+    or "auto": :data:`DEFAULT_MIXED_PRECISION` on CUDA, "no" elsewhere)."""
+    if requested in (None, "", "auto"):
+        return DEFAULT_MIXED_PRECISION if cuda else "no"
+    if requested not in MIXED_PRECISIONS:
+        raise UsageError(f"--mixed-precision must be one of auto, {', '.join(MIXED_PRECISIONS)}, got '{requested}'")
+    return requested
+
+
+def _drop_forward_autocast(module) -> None:
+    """Undo accelerate's wrapper of a prepared model's ``forward`` (autocast + outputs cast to
+    float32). The wrapper stays on the module for every caller, so a generator sharing the
+    trainer's model would sample in the training precision too (measured: sampling under bf16
+    autocast made RLVR on the tiny model learn several times slower). The trainer enters
+    ``accelerator.autocast()`` around its own forwards instead."""
+    original = module.__dict__.pop("_original_forward", None)
+    if original is None:
+        return
+    if getattr(original, "__func__", None) is getattr(type(module), "forward", None):
+        module.__dict__.pop("forward", None)  # the class's own forward again
+    else:
+        module.forward = original
+
+
 def _identity(hidden):
     return hidden
 
@@ -304,7 +336,7 @@ class PolicyTrainer:
         cpu = (config.device or "").startswith("cpu") or not torch.cuda.is_available()
         if (config.device or "").startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeFailure(f"--device {config.device} asked for, but torch sees no CUDA GPU")
-        mixed = config.mixed_precision or ("no" if cpu else "bf16")
+        mixed = resolve_mixed_precision(config.mixed_precision, cuda=not cpu)
         self.accelerator = Accelerator(cpu=cpu, mixed_precision=mixed)
         self.device = self.accelerator.device
         torch.manual_seed(config.seed)
@@ -339,6 +371,7 @@ class PolicyTrainer:
             if (cuda if config.compile is None else config.compile) else []
         self.compile_proven = not self.compiled_layers
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        _drop_forward_autocast(self.accelerator.unwrap_model(self.model))
         self.head = None if config.full_logits else self._bypassable_head(model)
         self.ref_head = self._bypassable_head(self.ref_model) if self.head is not None and self.ref_model is not None \
             else None
@@ -614,7 +647,7 @@ class PolicyTrainer:
         config = self.config
         device = self.device
         input_ids, positions, targets, token_values = self._pack(batch, weights)
-        with _bypassed(self.head):
+        with self.accelerator.autocast(), _bypassed(self.head):
             hidden = self.model(input_ids=input_ids, use_cache=False).logits
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
         ref = self._reference_logprobs(input_ids, None, None, targets, positions) if config.beta > 0 else None
@@ -700,7 +733,8 @@ class PolicyTrainer:
         input_ids, attention, completion = input_ids.to(device), attention.to(device), completion.to(device)
         targets_mask = completion[:, 1:]  # logits at position t predict token t + 1
         targets = input_ids[:, 1:][targets_mask]
-        logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
+        with self.accelerator.autocast():
+            logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
         selected = logits[:, :-1][targets_mask].float()
         if config.temperature != 1.0:
             selected = selected / config.temperature
@@ -735,7 +769,7 @@ class PolicyTrainer:
             with torch.no_grad():
                 if self.is_lora:
                     policy, head = self.accelerator.unwrap_model(self.model), self.head
-                    with policy.disable_adapter(), _bypassed(head):
+                    with policy.disable_adapter(), self.accelerator.autocast(), _bypassed(head):
                         hidden = policy(input_ids=input_ids, use_cache=False).logits
                 else:
                     head = self.ref_head
@@ -749,7 +783,7 @@ class PolicyTrainer:
         with torch.no_grad():
             if self.is_lora:
                 policy = self.accelerator.unwrap_model(self.model)
-                with policy.disable_adapter():
+                with policy.disable_adapter(), self.accelerator.autocast():
                     logits = policy(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
             else:
                 with self.accelerator.autocast():
@@ -805,7 +839,7 @@ class PolicyTrainer:
                     if self.head is not None:
                         from sptool.train.logprobs import chunked_selected_logprobs
 
-                        with _bypassed(self.head):
+                        with self.accelerator.autocast(), _bypassed(self.head):
                             hidden = self.model(input_ids=input_ids, use_cache=False).logits
                         values, _ = chunked_selected_logprobs(
                             hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions), self.head.weight,
@@ -813,7 +847,8 @@ class PolicyTrainer:
                             temperature=config.temperature, chunk_rows=self._chunk_rows(),
                             compute_dtype=self.compute_dtype, compiled=self.kernels_compiled)
                     else:
-                        logits = self.model(input_ids=input_ids, use_cache=False).logits
+                        with self.accelerator.autocast():
+                            logits = self.model(input_ids=input_ids, use_cache=False).logits
                         selected = logits.reshape(-1, logits.shape[-1]).index_select(0, positions).float() \
                             / config.temperature
                         values = selected_logprobs(selected, targets)
