@@ -131,6 +131,9 @@ def last_boxed(text: str) -> str | None:
 
 
 def same_answer(given: str, gold: str) -> bool:
+    """The boxed answer (its part after the last "=": "47 + 38 = 85") is the gold number."""
+    given = given.rsplit("=", 1)[-1]
+
     def norm(value: str) -> str:
         return re.sub(r"[\s$,]|\\!|\\,", "", value).rstrip(".")
     a, b = norm(given), norm(str(gold))
@@ -230,6 +233,7 @@ class Recorder:
         self.evals: list[dict] = []
         self.notes: dict = {}
         self.began = time.time()
+        self.out: Path | None = None
 
     def step(self, step: int, seconds: dict, **extra) -> None:
         parts = {part: float(seconds.get(part, 0.0)) for part in PARTS[:3]}
@@ -245,6 +249,8 @@ class Recorder:
         self.evals.append({"step": step, "greedy_accuracy": accuracy, "seconds": seconds})
         print(f"[{self.arm}] held-out greedy accuracy after {step} steps: {accuracy:.3f} ({seconds:.1f} s)",
               file=sys.stderr, flush=True)
+        if self.out is not None:  # saved as it goes: a run cut short keeps what it measured
+            self.save(self.out)
 
     def save(self, out: Path) -> Path:
         out.mkdir(parents=True, exist_ok=True)
@@ -661,6 +667,7 @@ def main(argv=None) -> int:
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
         recorder = Recorder(args.worker, settings)
+        recorder.out = out
         if args.worker == "bare":
             run_bare(settings, recorder)
         elif args.worker == "trl":

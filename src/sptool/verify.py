@@ -183,6 +183,23 @@ def final_answer(text: str, *, require_boxed: bool = False) -> FinalAnswer | Non
     return stated
 
 
+# A final answer that is plain arithmetic on numbers (two or more numbers joined by +, −, ×, ÷, *,
+# nothing else: no variable, power, root or fraction) has not been evaluated: "\\boxed{47+38}" for
+# "What is 47 + 38?" restates the question. math-verify simplifies it to 85 and calls it correct, so
+# an RL policy learns to copy the question into the box (measured on two-digit sums: sampled
+# "accuracy" 0.99 after 14 steps, 0.00 held-out under a grader that wants the number). Such an
+# answer is wrong, and casts no vote. "47 + 38 = 85" is fine: the part after the last "=" counts.
+_NUMBER = r"[-+−]?\s*\d[\d,]*(?:\.\d+)?"
+_OPERATOR = r"(?:[-+*×÷−]|\\times|\\cdot|\\div|\\ast)"
+_UNEVALUATED = re.compile(rf"\s*\(?\s*{_NUMBER}\s*\)?(?:\s*{_OPERATOR}\s*\(?\s*{_NUMBER}\s*\)?)+\s*")
+
+
+def unevaluated_arithmetic(answer: str) -> bool:
+    """Is ``answer`` (after its last "=") arithmetic on numbers left unevaluated ("47 + 38")?"""
+    final = answer.rsplit("=", 1)[-1].replace("$", "").replace("\\,", "").replace("\\!", "")
+    return bool(_UNEVALUATED.fullmatch(final))
+
+
 _EQUIVALENT: dict[tuple, bool] = {}
 _EQUIVALENT_MAX = 262144
 
@@ -279,11 +296,12 @@ def grade(task: dict) -> dict:
         finals = [final_answer(text, require_boxed=require_boxed) for text in texts]
         answers = [final.text if final else None for final in finals]
         boxed = [bool(final and final.boxed) for final in finals]
-        classes = majority_classes(finals)
+        settled = [None if final is None or unevaluated_arithmetic(final.text) else final for final in finals]
+        classes = majority_classes(settled)
         reference = boxed_answer(gold) if gold is not None else None
 
         def is_correct(index: int) -> bool:
-            final = finals[index]
+            final = settled[index]
             return final is not None and final.text != INVALID and equivalent(reference, final)
 
     majority_members = set(classes[0]) if classes else set()

@@ -78,7 +78,7 @@ def train_step(
     device: Optional[str] = typer.Option(None, "--device", envvar="SPTOOL_DEVICE", help="cpu or cuda "
                                          "(default: cuda when available; under accelerate launch, its choice)."),
     mixed_precision: Optional[str] = typer.Option(None, "--mixed-precision", help="no, bf16, fp16 "
-                                                  "(default bf16 on CUDA, no on CPU)."),
+                                                  "(default no: float32; bf16 hides RL-sized updates from the forward)."),
     full_logits: bool = typer.Option(False, "--full-logits", help="Compute [tokens × vocabulary] logits "
                                      "(the previous, slower and larger path) instead of log-probs in token chunks."),
     no_entropy: bool = typer.Option(False, "--no-entropy", help="Skip the entropy metric (one pass less over "

@@ -103,6 +103,16 @@ def stop_strings_of(items: list[dict]) -> list | None:
     return None
 
 
+def sample_token_ids(samples: list[dict]) -> list | None:
+    """Each sample's sampled token ids (kept beside its log-probs), when every sample has them:
+    train-step trains those tokens instead of re-tokenising the text, which at temperature 1 often
+    splits differently (``"ans","wer"`` sampled, ``"answer"`` re-tokenised) and would misalign the log-probs."""
+    if samples and all(isinstance(s.get("token_ids"), list) and isinstance(s.get("logprobs"), list)
+                       and len(s["token_ids"]) == len(s["logprobs"]) for s in samples):
+        return [s["token_ids"] for s in samples]
+    return None
+
+
 def sample_logprobs(samples: list[dict]) -> list | None:
     if samples and all(isinstance(s.get("logprobs"), list) for s in samples):
         return [s["logprobs"] for s in samples]
@@ -170,7 +180,8 @@ class TrainingGroupFilter(Stage):
 
     def group(self, role: str, prompt: Any, completions: list[str], rewards: list[float], *,
               sources: list[dict], group_id: Any = None, old_logprobs: list | None = None,
-              finish_reasons: list | None = None, stop_strings: list | None = None, **extra: Any) -> dict:
+              finish_reasons: list | None = None, stop_strings: list | None = None,
+              completion_ids: list | None = None, **extra: Any) -> dict:
         source_ids = [s.get("id") for s in sources]
         record = {
             "id": content_id("group", self.recipe, role, source_ids, prompt, completions),
@@ -184,6 +195,8 @@ class TrainingGroupFilter(Stage):
         }
         if old_logprobs is not None:
             record["old_logprobs"] = old_logprobs
+        if completion_ids is not None and len(completion_ids) == len(completions):
+            record["completion_ids"] = completion_ids
         if finish_reasons is not None and len(finish_reasons) == len(completions):
             # train-step appends EOS only to completions that stopped, not to truncated ones
             record["finish_reasons"] = finish_reasons
@@ -210,7 +223,7 @@ class TrainingGroupFilter(Stage):
                           sources=[record], group_id=record.get("group_id"),
                           old_logprobs=sample_logprobs(samples), question=record.get("question"),
                           finish_reasons=finish_reasons_of(samples), stop_strings=stop_strings_of(samples),
-                          **extra)
+                          completion_ids=sample_token_ids(samples), **extra)
 
     def generator_group(self, role: str, members: list[dict], rewards: list[float],
                         **extra: Any) -> dict | None:

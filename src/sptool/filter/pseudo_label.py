@@ -25,7 +25,7 @@ from typing import Any, Iterable, Iterator
 
 from sptool import rewards as R
 from sptool.filter.groups import (TrainingGroupFilter, contiguous_batches, finish_reasons_of,
-                                  generation_prompt, has_boxed_answer, is_parsed, sample_logprobs,
+                                  generation_prompt, has_boxed_answer, is_parsed, sample_logprobs, sample_token_ids,
                                   samples_of, stop_strings_of, verdict, verify_error_of)
 from sptool.records import InputError, content_id
 from sptool.settings import setting
@@ -213,7 +213,7 @@ class ValidityGroups:
                           sources=[record], group_id=record.get("group_id"),
                           old_logprobs=sample_logprobs(samples), question=record.get("question"),
                           finish_reasons=finish_reasons_of(samples), stop_strings=stop_strings_of(samples),
-                          problem_invalid=invalid)
+                          completion_ids=sample_token_ids(samples), problem_invalid=invalid)
 
 
 class RQuestFilter(ValidityGroups, RZeroFilter):

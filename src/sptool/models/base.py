@@ -78,7 +78,8 @@ class Sample:
 
     def to_record(self) -> dict[str, Any]:
         record = asdict(self)
-        record.pop("token_ids")
+        if record["logprobs"] is None or record["token_ids"] is None:
+            record.pop("token_ids")  # kept beside sampling log-probs: a training group's own tokens
         for key in ("logprobs", "stop_string"):
             if record[key] is None:
                 record.pop(key)

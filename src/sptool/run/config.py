@@ -85,8 +85,8 @@ class TrainSection:
     max_tokens_per_micro_batch: int = setting(train_default("max_tokens_per_micro_batch"),
                                               "tokens per micro-batch (gradient accumulation)", minimum=1)
     mixed_precision: str = setting("auto", "autocast precision of the trainer's forwards (master weights "
-                                   "and optimizer stay float32): auto (bf16 on CUDA, no on CPU), no, "
-                                   "bf16, fp16 (with a gradient scaler)",
+                                   "and optimizer stay float32): auto (no: float32; bf16 hides RL-sized "
+                                   "updates from the forward), no, bf16, fp16 (with a gradient scaler)",
                                    choices=("auto", "no", "bf16", "fp16"))
     compile: bool = setting(True, "torch.compile the decoder layers and log-prob kernels on CUDA "
                             "(false: eager; never on CPU)")

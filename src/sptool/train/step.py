@@ -79,6 +79,13 @@ def _check_numbers(value: list) -> str | None:
     return None
 
 
+def _check_token_id_lists(value: list) -> str | None:
+    for i, ids in enumerate(value):
+        if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+            return f"completion {i}: expected a list of non-negative integer token ids"
+    return None
+
+
 def _check_logprob_lists(value: list) -> str | None:
     for i, item in enumerate(value):
         if item is None:
@@ -117,6 +124,8 @@ TRAINING_GROUP = TrainingGroupKind("training group", (
     Field("role", (str,), required=False, help="solver, challenger, questioner, synthesis, validity"),
     Field("advantages", (list,), required=False, nullable=True, check=_check_numbers),
     Field("old_logprobs", (list,), required=False, nullable=True, check=_check_logprob_lists),
+    Field("completion_ids", (list,), required=False, nullable=True, check=_check_token_id_lists,
+          help="each completion's sampled token ids (trained as sampled, not re-tokenised)"),
     Field("finish_reasons", (list,), required=False, nullable=True,
           help="'stop' (EOS appended) or 'length' per completion; default stop"),
     Field("stop_strings", (list,), required=False, nullable=True, check=_check_stop_strings,
@@ -162,7 +171,7 @@ class TrainConfig:
     ref_model: str | None = None
     chat_template: bool = True
     device: str | None = None
-    mixed_precision: str | None = None  # "no", "bf16", "fp16"; default: DEFAULT_MIXED_PRECISION
+    mixed_precision: str | None = None  # "no", "bf16", "fp16"; None: DEFAULT_MIXED_PRECISION on CUDA, no on CPU
     seed: int = 0
     full_logits: bool = False           # the previous path: [tokens × vocabulary] logits (slower, larger)
     entropy: bool = True                # report the policy's entropy (one more pass over each logit chunk)
@@ -237,9 +246,13 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
 
 
 # The trainer's autocast precision on CUDA when --mixed-precision is not given (the CPU runs fp32).
-# Chosen by measurement: see benchmarks/results/precision-h200/ (training forward in bf16, master
-# weights, optimizer and the log-prob reductions in float32).
-DEFAULT_MIXED_PRECISION = "bf16"
+# float32, chosen by measurement (benchmarks/results/precision-h200/): under bf16 autocast every
+# forward rounds the float32 master weights onto the bf16 grid, where an Adam step at RL learning
+# rates (1e-6..1e-5) is mostly invisible (2% of the tiny model's weights change their bf16 value
+# after one step at lr 1e-5, 16% after ten), so the policy a bf16 forward computes lags the one
+# being trained. "bf16" stays available (train.mixed_precision, --mixed-precision): faster, and
+# right for supervised learning rates.
+DEFAULT_MIXED_PRECISION = "no"
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
 
 
@@ -509,7 +522,8 @@ class PolicyTrainer:
     # -- encoding --------------------------------------------------------------------------
 
     def encode_group(self, group: dict) -> list[TrainSequence]:
-        """Token sequences of one group: rendered prompt, then each completion (+ EOS on stop).
+        """Token sequences of one group: rendered prompt, then each completion (+ EOS on stop);
+        a completion whose sampled token ids came with it (``completion_ids``) is trained as those.
 
         A prompt that ends with an assistant message (a response prefix) renders with the prefix,
         so a completion that begins with the prefix (the text parsing saw) is trained without it:
@@ -537,10 +551,19 @@ class PolicyTrainer:
         stop_strings = group.get("stop_strings") or [None] * len(group["completions"])
         finish = group.get("finish_reasons") or ["stop"] * len(group["completions"])
         old = group.get("old_logprobs") or [None] * len(group["completions"])
+        sampled = group.get("completion_ids") or [None] * len(group["completions"])
         eos = self.eos_id()
         role = group_role(group)
         sequences = []
         for i, completion in enumerate(group["completions"]):
+            own = sampled[i] if i < len(sampled) else None
+            if own:  # the sampler's own tokens (EOS included when it emitted one): trained as sampled
+                if max(own) >= len(tokenizer):
+                    raise InputError(f"completion {i}: token id {max(own)} is outside the tokenizer's "
+                                     f"{len(tokenizer)} ids", field="completion_ids")
+                old_i = old[i] if old[i] is not None and len(old[i]) == len(own) else None
+                sequences.append(TrainSequence(prompt_ids, list(own), float(advantages[i]), rewards[i], role, old_i))
+                continue
             if prefix and completion.startswith(prefix):
                 completion = completion[len(prefix):]
             ids = tokenizer(completion, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,210 @@
+"""The precision a run trains and samples in must let it learn at the float32 rate.
+
+The failure this guards against (measured on an H200, ``benchmarks/results/precision-h200/``): the
+tiny model's weights sit exactly on the bf16 grid (the checkpoint is bf16), and an Adam step at
+lr 1e-5 moves a weight by about 1e-5, far below half a bf16 step at the median |w| ≈ 0.11. A
+forward under bf16 autocast rounds the float32 master weights back onto that grid, so the sampler
+(and the trainer's own forward) kept seeing the start model for many updates: after one update the
+bf16 sampler's log-prob change had a cosine of 0.10 with the float32 policy's change (0.66 after
+five); RLVR's held-out accuracy stayed at 0.03–0.05 for 30 steps where float32 reached 0.67.
+
+The CPU test applies the precisions a run chooses *on CUDA* (the defaults of
+``shared_sampler_autocast`` and ``resolve_mixed_precision``) to the real tiny model on CPU, where
+bf16 autocast rounds the same way, and requires that (a) the sampler's and the trainer's forwards
+see a first Adam update at lr 1e-5 as the float32 policy does (cosine ≥ 0.9; bf16 measured 0.53 on
+this batch on CPU), and (b) the trainer's gradient on a fixed batch stays close to float32's
+(cosine ≥ 0.95; bf16 measured 0.9986).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FIXTURES, REPO
+
+QUESTIONS = [("What is 47 + 38?", "\\boxed{85}"), ("What is 12 + 29?", "The answer is \\boxed{41}."),
+             ("What is 63 + 18?", "63 + 18 = 81"), ("What is 55 + 27?", "\\boxed{72}")]
+ADVANTAGES = [0.9, 0.45, -0.55, -0.8]
+
+
+def _batch(tokenizer):
+    """Prompt ids, completion ids (with EOS) per question, rendered as the trainer renders them."""
+    from sptool.models.hf import render_prompt
+
+    rows = []
+    for question, completion in QUESTIONS:
+        prompt = tokenizer(render_prompt(tokenizer, [{"role": "user", "content": question}]),
+                           add_special_tokens=False)["input_ids"]
+        ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((prompt, ids))
+    return rows
+
+
+def _logprobs(model, rows, autocast_dtype):
+    import torch
+
+    context = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    values = []
+    with torch.no_grad(), context:
+        for prompt, ids in rows:
+            full = torch.tensor([prompt + ids])
+            logits = model(input_ids=full).logits[0, len(prompt) - 1:-1].float()
+            values.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1))
+    return torch.cat(values)
+
+
+def _gradient(model, rows, autocast_dtype):
+    """Gradient of ``−Σ A · log π`` on the fixed batch, per parameter (autocast as given)."""
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    context = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    for (prompt, ids), advantage in zip(rows, ADVANTAGES):
+        full = torch.tensor([prompt + ids])
+        with context:
+            logits = model(input_ids=full).logits[0, len(prompt) - 1:-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        (-advantage * logp.sum() / 64).backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _cosine(a, b) -> float:
+    import torch
+
+    return torch.nn.functional.cosine_similarity(a.double().reshape(-1), b.double().reshape(-1), dim=0).item()
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def _visibility(model, rows, reference, dtypes):
+    """Per sampler dtype: (cosine, relative size) of its log-prob change after one first Adam step at
+    lr 1e-5 (``lr · g / (|g| + eps)``, the float32 gradient), against the float32 policy's change."""
+    import torch
+
+    before = {dtype: _logprobs(model, rows, dtype) for dtype in {None, *dtypes}}  # None: float32
+    saved = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            g = reference.get(name)
+            if g is not None:
+                param -= 1e-5 * g / (g.abs() + 1e-8)
+    moved = {dtype: _logprobs(model, rows, dtype) - before[dtype] for dtype in before}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(saved[name])
+    assert moved[None].abs().max().item() > 1e-4, "the update must move the float32 policy's log-probs"
+    return {dtype: (_cosine(moved[dtype], moved[None]), (moved[dtype].norm() / moved[None].norm()).item())
+            for dtype in dtypes}
+
+
+@pytest.mark.slow
+def test_the_cuda_default_precisions_see_an_update_and_keep_the_gradient(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sptool.models.hf import load_tokenizer, shared_sampler_autocast
+    from sptool.train.step import resolve_mixed_precision
+
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    rows = _batch(tokenizer)
+    sampler = shared_sampler_autocast(None, "cuda")             # what a CUDA run samples in by default
+    trainer = _dtype(resolve_mixed_precision(None, cuda=True))  # what a CUDA run trains in by default
+    assert torch.float16 not in (sampler, trainer), "fp16 autocast does not run on CPU: extend this test"
+
+    reference = _gradient(model, rows, None)
+    chosen = _gradient(model, rows, trainer) if trainer is not None else reference
+    flat_ref = torch.cat([g.reshape(-1) for g in reference.values()])
+    gradient_cosine = _cosine(torch.cat([chosen[name].reshape(-1) for name in reference]), flat_ref)
+    seen = _visibility(model, rows, reference, [sampler, trainer, torch.bfloat16])
+    print(json.dumps({"sampler": str(sampler), "trainer": str(trainer), "gradient_cosine": gradient_cosine,
+                      "visibility": {str(k): v for k, v in seen.items()}}))
+    cosine, size = seen[sampler]
+    assert cosine >= 0.9 and 0.5 <= size <= 2.0, (
+        f"the default sampler ({sampler}) does not see a first update as the float32 policy does: cosine "
+        f"{cosine:.3f}, relative size {size:.3f} (a bf16 sampler rounds the update away)")
+    assert gradient_cosine >= 0.95, f"the default trainer precision's gradient is off: cosine {gradient_cosine:.3f}"
+    cosine, size = seen[trainer]  # the trainer's forward computes at the weights its autocast sees
+    assert cosine >= 0.9 and 0.5 <= size <= 2.0, (
+        f"the default trainer precision ({trainer}) hides a first update from its own forward: cosine "
+        f"{cosine:.3f}, relative size {size:.3f}")
+    # the guard catches the old default: under bf16 autocast the same update is mostly invisible
+    cosine16, size16 = seen[torch.bfloat16]
+    assert cosine16 < 0.9 or not 0.5 <= size16 <= 2.0, seen
+
+
+@pytest.mark.gpu
+def test_rlvr_on_two_digit_sums_learns_at_the_float32_rate_on_a_gpu(tmp_path):
+    """The precision issue's settings with the defaults: held-out greedy ≥ 0.2 within 15 steps.
+
+    Measured on one H200 (benchmarks/results/precision-h200/): the float32 default 0.157, 0.297,
+    0.310 after 5, 10, 15 steps; the old bf16 default 0.050, 0.030, 0.037. (The issue's 0.8 came
+    from a grader that took "\\boxed{47+38}" as the answer 85; under one that wants the number
+    no arm gets near it in 15 steps: the bare loop 0.627, TRL 0.000.)"""
+    run_dir = tmp_path / "run"
+    sets = {"rlvr.data": str(FIXTURES / "addition_train.jsonl"), "rlvr.problems": 64, "rlvr.samples": 8,
+            "rlvr.format_weight": 0.1, "rlvr.keep_equal_groups": True, "generation.max_tokens": 64,
+            "generation.temperature": 1.0, "train.loss": "dr_grpo", "train.learning_rate": 1e-5,
+            "train.max_tokens_per_micro_batch": 16384, "model.gen_batch_size": 512, "verify.workers": 8,
+            "verify.require_boxed": True, "prompts.solve": str(REPO / "benchmarks/prompt_zero_shot.txt"),
+            "prompts.solve_prefix": "", "prompts.solve_stop": [], "model.device": "cuda",
+            "eval.benchmarks": str(FIXTURES / "bench/addition_heldout_300.jsonl"), "eval.every": 5,
+            "eval.samples": 0, "eval.max_tokens": 64}
+    command = [sys.executable, "-m", "sptool.cli.main", "run", "--recipe", "rlvr", "--run-dir", str(run_dir),
+               "-n", "15", "-q"]
+    for key, value in sets.items():
+        command += ["--set", f"{key}={json.dumps(value) if isinstance(value, (str, bool, list)) else value}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    curve = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("kind") == "eval":
+            curve[record["after_iteration"]] = next(iter(record["benchmarks"].values()))["greedy"]
+    print("held-out greedy:", curve)
+    assert max(curve.values()) >= 0.2 and not math.isnan(max(curve.values())), curve
+
+
+def test_a_training_group_is_trained_on_the_tokens_it_sampled(random_policy):
+    """Re-tokenising a sampled completion can split it differently ("ans","wer" sampled, "answer"
+    re-tokenised): then the trainer scored tokens the sampler never produced, against log-probs of
+    other tokens. Samples that keep their token ids beside their log-probs are trained as sampled."""
+    from sptool.filter.groups import sample_token_ids
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    backend = HFBackend(random_policy, device="cpu", batch_size=4)
+    [[sample]] = backend.generate([[{"role": "user", "content": "What is 4 + 7?"}]], 1,
+                                  SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, logprobs=True))
+    record = sample.to_record()
+    assert record["token_ids"] == sample.token_ids and len(record["token_ids"]) == len(record["logprobs"])
+    assert "token_ids" not in type(sample)(text="x", n_tokens=1, token_ids=[5]).to_record()  # no log-probs: no ids
+
+    trainer = PolicyTrainer(TrainConfig(model=random_policy, device="cpu", loss="dr_grpo", max_completion_tokens=8))
+    tokenizer = trainer.tokenizer
+    split = tokenizer("ans", add_special_tokens=False)["input_ids"] + tokenizer("wer", add_special_tokens=False)["input_ids"]
+    assert tokenizer("answer", add_special_tokens=False)["input_ids"] != split  # the text re-tokenises otherwise
+    samples = [{"text": "answer", "token_ids": split, "logprobs": [-1.0] * len(split)},
+               {"text": "12", "token_ids": tokenizer("12", add_special_tokens=False)["input_ids"],
+                "logprobs": [-0.5] * len(tokenizer("12", add_special_tokens=False)["input_ids"])}]
+    group = {"prompt": [{"role": "user", "content": "What is 40 + 7?"}], "completions": ["answer", "12"],
+             "rewards": [1.0, 0.0], "old_logprobs": [s["logprobs"] for s in samples],
+             "finish_reasons": ["length", "length"], "completion_ids": sample_token_ids(samples)}
+    first = trainer.encode_group(group)[0]
+    assert first.completion_ids == split and first.old_logprobs == [-1.0] * len(split)
+    without = trainer.encode_group({k: v for k, v in group.items() if k != "completion_ids"})[0]
+    assert without.completion_ids != split and without.old_logprobs is None  # the old way lost the ratio
