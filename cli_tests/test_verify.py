@@ -39,6 +39,23 @@ def test_grade_with_reference_uses_math_equivalence():
     assert result["label_source"] == "reference"
 
 
+def test_an_unevaluated_sum_of_the_question_is_no_answer():
+    """math-verify simplifies "47+38" to 85; an RL policy learnt to box the question instead of the
+    sum (sampled "accuracy" 0.99 after 14 steps on two-digit sums, 0.00 held out under a grader that
+    wants the number). The part after the last "=" is the answer, and arithmetic on numbers left
+    unevaluated is wrong and casts no vote; fractions, scientific notation and expressions with a
+    variable are answers as before."""
+    result = grade({"texts": [r"\boxed{47+38}", r"\boxed{47 + 38 = 85}", r"\boxed{85}", r"\boxed{12 \times 7}",
+                              r"\boxed{(40+45)}"], "gold": "85", "require_boxed": True})
+    assert result["correct"] == [False, True, True, False, False]
+    assert result["boxed"] == [True] * 5  # still boxed: the format term is unchanged
+    votes = grade({"texts": [r"\boxed{2+3}", r"\boxed{1+4}", r"\boxed{4+1}", r"\boxed{5}"], "gold": None})
+    assert votes["majority"] == "5" and votes["n_classes"] == 1
+    kept = grade({"texts": [r"\boxed{1/2}", r"\boxed{3 \times 10^{5}}", r"\boxed{x+1}"], "gold": None})
+    assert kept["n_classes"] == 3
+    assert grade({"texts": [r"\boxed{2+3i}"], "gold": "2+3i"})["correct"] == [True]
+
+
 def test_grade_without_reference_pseudo_labels_by_majority():
     result = grade({"texts": [r"\boxed{2}", r"\boxed{2.0}", r"\boxed{5}", r"\boxed{INVALID}"],
                     "gold": None})
