@@ -1,6 +1,6 @@
 """Smoke test of ``benchmarks/learning_parity.py`` on CPU with the real tiny model: the bare loop and
 ``sptool run --recipe rlvr`` each train 2 steps on the same problems, with the same prompt, prefix
-and stop string, and the table reports both (not a speed claim: the figures are the GPU's)."""
+and stop string (`--task small`: the assistant prefix starts inside the box), and the table reports both (not a speed claim: the figures are the GPU's)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_learning_parity_cpu_smoke_runs_bare_and_sptool_arms(tmp_path):
     out = tmp_path / "parity"
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "learning_parity.py"), "--device", "cpu", "--steps", "2",
-         "--eval-every", "2", "--arms", "bare,sptool", "--out", str(out)],
+         "--eval-every", "2", "--arms", "bare,sptool", "--task", "small", "--out", str(out)],
         capture_output=True, text=True, timeout=900, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     table = result.stdout
