@@ -40,7 +40,11 @@ QUESTIONS = [
 # The tests sharing the module's engines (the in-process vLLM engine, the served one, the hf
 # backend, the two checkpoints) go to one pytest-xdist worker, which loads each once; module scope
 # frees them (a vLLM server and engine hold GBs) before the worker goes on to other files.
-shares_engines = pytest.mark.xdist_group("vllm-engines")
+def shares_engines(test):
+    """One worker for the tests sharing the engines; ``alone``: they hold GBs, so they run after the
+    parallel tests, one at a time (beside another worker's real-model runs a served run was killed
+    for memory)."""
+    return pytest.mark.alone(pytest.mark.xdist_group("vllm-engines")(test))
 
 
 def free_port() -> int:
@@ -185,10 +189,10 @@ def test_base_urls_are_parsed_from_option_and_env(monkeypatch):
 
 
 def test_backends_are_registered_and_lazy():
-    from sptool.models.base import BACKENDS
-
-    assert BACKENDS.target("vllm") == "sptool.models.vllm_backend:VLLMBackend"
-    assert BACKENDS.target("openai") == "sptool.models.openai_backend:OpenAIBackend"
+    # in a fresh interpreter: a backend another test of this worker loaded is resolved to its class
+    code = "from sptool.models.base import BACKENDS; print(BACKENDS.target('vllm'), BACKENDS.target('openai'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["sptool.models.vllm_backend:VLLMBackend", "sptool.models.openai_backend:OpenAIBackend"]
     code = "import sptool.models.vllm_backend, sptool.models.openai_backend, sys; " \
            "print('vllm' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -25,7 +25,7 @@ from conftest import read_jsonl, run_sptool
 from test_backends import (HAVE_VLLM, VLLM_ENV, GREEDY_PROMPTS, assert_same_greedy, free_port, hf_greedy,
                            requires_vllm)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]  # GBs each: after the parallel tests, one at a time
 # The served tests (the module's server, its uninterrupted run) and the two-process run go to one
 # pytest-xdist worker: each holds GBs (a vLLM server and a training client; two training ranks),
 # and one worker runs them one after the other. The two-process run comes first, before the
