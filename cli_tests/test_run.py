@@ -612,3 +612,18 @@ def test_background_checkpoint_copy_keeps_tied_weights_tied(tmp_path):
         with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as handle:
             keys[name] = set(handle.keys())
     assert keys["copy"] == keys["plain"]
+
+
+@pytest.mark.slow
+@shares_run("svs")
+def test_config_toml_records_each_stage_precision_and_reads_back(scripted_run):
+    """config.toml ends with the precision of the sampler, trainer and reference on this machine
+    (a comment: the file still loads as --config)."""
+    run_dir = scripted_run("svs")
+    text = (run_dir / "config.toml").read_text()
+    comment = text[text.index("# precision on this machine"):].splitlines()
+    assert comment[1:] == ["# sampler = none (the scripted backend replays its script)", "# trainer = float32",
+                           "# reference = none (beta = 0)", "# device = cpu"]
+    shown = run_sptool("recipes", "show", "svs", "--config", str(run_dir / "config.toml"), env=ENV)
+    assert shown.returncode == 0, shown.stderr
+    assert 'mixed_precision = "auto"' in shown.stdout

@@ -205,7 +205,9 @@ def stage_precisions(config: dict) -> dict[str, str]:
     names = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "float32",
              "float32": "float32"}
     dtype = model.get("dtype") or ""
-    if model.get("backend", "hf") == "hf":
+    if model.get("backend") == "scripted":
+        sampler = "none (the scripted backend replays its script)"
+    elif model.get("backend", "hf") == "hf":
         chosen = names.get(dtype, names[DEFAULT_SHARED_SAMPLER_DTYPE])
         sampler = "float32 (the trainer's policy)" if chosen == "float32" else \
             f"{chosen} autocast over the trainer's float32 policy"
