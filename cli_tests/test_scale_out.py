@@ -335,7 +335,7 @@ def test_served_run_lora_adapters_reach_the_server(server, tmp_path):
 
 
 @shares_server
-def test_server_lost_mid_run_is_one_line_and_resume_matches(server, full_run, tmp_path):
+def test_server_lost_mid_run_is_one_line_and_resume_matches(server, full_run, tmp_path, tiny_model_dir):
     """The server goes away after the first update: the run stops with one line (exit 1); the
     server comes back with its start-up weights (as a restart leaves it); `--resume` re-sends
     the checkpoint and ends with the same step outputs as the uninterrupted run."""
@@ -361,10 +361,27 @@ def test_server_lost_mid_run_is_one_line_and_resume_matches(server, full_run, tm
     result = served_run(server, run_dir, resume=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert step_hashes(run_dir).keys() == step_hashes(full_run).keys()
+    # same records; the server's sampling log-probs of the same tokens vary in the fifth digit
+    # between batches (CI saw -6.772858 against -6.772872), so they agree within a tolerance
     for key in step_hashes(full_run):
         if not key.endswith("-train"):  # train records carry timings
-            assert step_records(run_dir, key) == step_records(full_run, key), key
+            resumed, uninterrupted = step_records(run_dir, key), step_records(full_run, key)
+            assert without_logprobs(resumed) == without_logprobs(uninterrupted), key
+            pairs = list(zip(logprob_values(resumed), logprob_values(uninterrupted)))
+            assert len(logprob_values(resumed)) == len(logprob_values(uninterrupted)), key
+            assert all(abs(a - b) < 1e-3 for a, b in pairs), key
+    # the trained weights: equal up to those log-probs (the update's ratios use them), so within
+    # a learning rate per parameter and 1% of how far training moved them; a resume that lost or
+    # repeated an update is a whole step apart
+    before = weights(Path(tiny_model_dir))
+    compared = 0
     for a, b in zip(train_records(full_run), train_records(run_dir)):
         if a.get("checkpoint"):
             wa, wb = weights(full_run / a["checkpoint"]), weights(run_dir / b["checkpoint"])
-            assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) == 0.0
+            assert wa.keys() == wb.keys()
+            assert max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa) < 1e-4
+            moved = sum(float((wa[k].float() - before[k].float()).pow(2).sum()) for k in wa if k in before) ** 0.5
+            apart = sum(float((wa[k].float() - wb[k].float()).pow(2).sum()) for k in wa) ** 0.5
+            assert moved > 0 and apart < 0.01 * moved, (apart, moved)
+            compared += 1
+    assert compared, "no iteration trained: nothing was compared"
