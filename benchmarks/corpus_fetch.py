@@ -7,7 +7,7 @@ navigation and ads), each answer delayed by ``--latency-ms`` to stand in for a r
 Two measurements per concurrency level, politeness delay off (one host would otherwise
 serialise everything):
 
-- fetch: :class:`sptool.corpus.fetch.Fetcher` alone (policy check, DNS, HTTP, size cap);
+- fetch: :class:`sptool.stages.corpus.fetch.Fetcher` alone (policy check, DNS, HTTP, size cap);
 - fetch+clean: the whole :class:`CorpusFetchStage` with a fake search backend listing the pages
   (fetch, trafilatura extraction, language/length checks, near-duplicate index), title
   similarity off (``encoder=None``) so the figure is about fetching and cleaning.
@@ -21,10 +21,10 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from sptool.corpus.fetch import Fetcher
-from sptool.corpus.policy import UrlPolicy
-from sptool.corpus.search import SearchResult
-from sptool.corpus.stage import CorpusFetchStage
+from sptool.stages.corpus.fetch import Fetcher
+from sptool.stages.corpus.policy import UrlPolicy
+from sptool.stages.corpus.search import SearchResult
+from sptool.stages.corpus.stage import CorpusFetchStage
 
 WORDS = ("triangle hypotenuse square theorem proof angle side length area sum number prime "
          "divisor factor product equation circle radius").split()

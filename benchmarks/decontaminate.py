@@ -41,7 +41,7 @@ def make_texts(problems: int, records: int, seed: int = 0) -> tuple[list[dict], 
 
 
 def run_sptool(bench_path: str, records: list[dict]) -> tuple[float, float, int]:
-    from sptool.decontaminate import BenchmarkIndex, DecontaminateStage
+    from sptool.stages.decontaminate import BenchmarkIndex, DecontaminateStage
 
     start = time.perf_counter()
     index = BenchmarkIndex([bench_path])

@@ -2,7 +2,7 @@
 
 For each backend, one model is loaded once and the same workload is timed two ways, interleaved:
 
-- **sptool**: a :class:`sptool.solve.SolveStage` over question records (prompt templating,
+- **sptool**: a :class:`sptool.stages.solve.SolveStage` over question records (prompt templating,
   chat-template rendering, batching, answer extraction, sample records): what ``sptool solve``
   runs, minus JSONL parsing.
 - **bare**: the library alone on the same rendered prompts, the same seeds and sampling
@@ -83,7 +83,7 @@ def questions(count: int) -> list[dict]:
 
 def time_sptool(backend, records: list[dict], params, batch: int) -> tuple[float, int]:
     """Run the SolveStage (k=1, all questions in one backend call); (seconds, tokens)."""
-    from sptool.solve import SolveStage
+    from sptool.stages.solve import SolveStage
 
     stage = SolveStage(backend, samples=1, params=params, batch_size=batch)
     start = time.perf_counter()
@@ -242,12 +242,12 @@ def bare_replay(backend, calls) -> tuple[float, int, int]:
 def stage_workloads(batch: int, max_tokens: int):
     """(stage, recipe, build) for every generating stage inside `sptool run`: ``build(backend)``
     returns the stage and its input records, one backend batch (``batch`` sequences) each."""
-    from sptool.challenge import DocumentChallengeStage, NothingChallengeStage, SolutionChallengeStage
+    from sptool.stages.challenge import DocumentChallengeStage, NothingChallengeStage, SolutionChallengeStage
     from sptool.models.base import SamplingParams
-    from sptool.novelty import NoveltyStage
+    from sptool.stages.novelty import NoveltyStage
     from sptool.prompts import prompt_spec
     from sptool.recipes import load_config
-    from sptool.solve import SolveStage
+    from sptool.stages.solve import SolveStage
 
     k = 8
     groups = max(1, batch // k)
@@ -350,7 +350,7 @@ def loop_step_memory(trainer, backend, args, cuda: bool) -> dict:
     import torch
 
     from sptool.models.base import SamplingParams
-    from sptool.solve import SolveStage
+    from sptool.stages.solve import SolveStage
 
     if cuda:
         torch.cuda.synchronize()
@@ -387,7 +387,7 @@ STAGE_HEADER = ["stage", "recipe", "shape", "decoding", "calls", "rows", "max_to
 def measure(name: str, model: str, batch: int, args) -> dict:
     from sptool.models.base import SamplingParams, load_backend
     from sptool.prompts import load_template
-    from sptool.solve import solve_prompt
+    from sptool.stages.solve import solve_prompt
 
     options = dict(device=args.device, dtype=args.dtype, batch_size=batch, base_url=args.base_url)
     if args.static_cache:

@@ -31,7 +31,7 @@ def main() -> None:
 
     from sptool.models.base import SamplingParams
     from sptool.models.hf import HFBackend
-    from sptool.solve import SolveStage, solve_prompt
+    from sptool.stages.solve import SolveStage, solve_prompt
     from sptool.prompts import load_template
 
     backend = HFBackend(args.model, device=args.device, batch_size=args.batch)

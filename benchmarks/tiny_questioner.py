@@ -43,10 +43,10 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="folder for the records (default: none written)")
     args = parser.parse_args()
 
-    from sptool.challenge import NothingChallengeStage
+    from sptool.stages.challenge import NothingChallengeStage
     from sptool.models.base import SamplingParams, load_backend
-    from sptool.solve import SolveStage
-    from sptool.verify import VerifyStage
+    from sptool.stages.solve import SolveStage
+    from sptool.stages.verify import VerifyStage
 
     out = Path(args.out) if args.out else None
     if out:

@@ -49,7 +49,7 @@ def bare_loop(records: list[dict]) -> float:
 
 
 def sptool_verify(records: list[dict], workers: int) -> float:
-    from sptool.verify import VerifyStage
+    from sptool.stages.verify import VerifyStage
 
     stage = VerifyStage(workers=workers, deadline_s=60)
     # exclude worker start-up (a one-off per stage) from the steady-state figure

@@ -179,7 +179,7 @@ def hf_greedy(path: str, params) -> tuple[object, list[list[int]]]:
 
 def test_base_urls_are_parsed_from_option_and_env(monkeypatch):
     from sptool.models.openai_backend import parse_base_urls
-    from sptool.records import UsageError
+    from sptool.core.records import UsageError
 
     assert parse_base_urls("http://a:8000, http://b:9000/v1/") == ["http://a:8000/v1", "http://b:9000/v1"]
     monkeypatch.setenv("SPTOOL_BASE_URL", "https://c.example/api/v1")
@@ -381,7 +381,7 @@ def test_served_update_weights_matches_hf(vllm_server, checkpoints, tiny_model_d
     through a runtime adapter whose name the backend switches to; the model name was never
     configured (found by the served directory); a server that lost the weights is an error."""
     from sptool.models.base import SamplingParams, load_backend
-    from sptool.records import RuntimeFailure
+    from sptool.core.records import RuntimeFailure
 
     base_url = vllm_server["base_url"]
     backend = load_backend("openai", "tiny", base_url=f"{base_url},{base_url}")
@@ -471,7 +471,7 @@ class _FakeVLLM:
 def test_served_weight_update_failures_are_one_line_and_block_generation(tiny_model_dir, tmp_path):
     from sptool.models.base import SamplingParams
     from sptool.models.openai_backend import OpenAIBackend
-    from sptool.records import RuntimeFailure
+    from sptool.core.records import RuntimeFailure
 
     checkpoint = tmp_path / "step-0001"
     checkpoint.mkdir()

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import FIXTURES, read_jsonl, write_jsonl
-from sptool.challenge import (DocumentChallengeStage, NothingChallengeStage, SolutionChallengeStage,
+from sptool.stages.challenge import (DocumentChallengeStage, NothingChallengeStage, SolutionChallengeStage,
                               check_challenger_output, gamma_validate,
                               parse_challenger_json, parse_questioner_output, parse_variant_output,
                               refers_to_document)
@@ -113,7 +113,7 @@ def test_short_synthesis_prompt_closes_the_problem_at_the_stop_string(tmp_path):
     """``challenge --from solutions --prompt solutions-short`` through the real tiny model: the
     reply starts inside <problem> and ends at the question mark, so the problem parses without
     a closing tag (the paper's prompt got 0 of 4 well-formed variants from the 135M model)."""
-    from sptool.challenge import SolutionChallengeStage
+    from sptool.stages.challenge import SolutionChallengeStage
     from sptool.models.base import SamplingParams, load_backend
     from sptool.prompts import load_prompt
 

@@ -63,7 +63,7 @@ class Row:
 
 
 def _tree(tmp: Path) -> None:
-    from sptool.tree import new_tree, save_tree
+    from sptool.stages.tree import new_tree, save_tree
 
     if not (tmp / "tree.json").exists():
         save_tree(new_tree("mathematics", max_depth=2), tmp / "tree.json")
@@ -279,7 +279,7 @@ def test_sigpipe_ends_quietly(tmp_path):
 
 def test_tree_expand_without_titles_and_no_network_names_titles(tmp_path):
     """No --titles, no network (a proxy that refuses every connection): one line naming --titles."""
-    from sptool.tree import new_tree, save_tree
+    from sptool.stages.tree import new_tree, save_tree
 
     save_tree(new_tree("mathematics", max_depth=3), tmp_path / "tree.json")  # "Algebra" is not a leaf
     script = write_jsonl(tmp_path / "script.jsonl", ["Algebra"])
@@ -383,8 +383,8 @@ def test_backend_option_group_is_the_same_everywhere(cli):
 
 
 def test_fixture_questions_are_valid_question_records():
-    from sptool.jsonl import read_records
-    from sptool.records import QUESTION
+    from sptool.core.jsonl import read_records
+    from sptool.core.records import QUESTION
 
     records = list(read_records(FIXTURES / "questions.jsonl", QUESTION))
     assert len(records) >= 5
@@ -395,7 +395,7 @@ def test_fixture_questions_are_valid_question_records():
 @pytest.mark.parametrize("command", [["eval", "--backend", "scripted", "--preset", "math", "-q"],
                                      ["decontaminate", "--preset", "math", "-q", "-b"]])
 def test_a_bad_row_of_a_parquet_or_csv_problem_set_is_one_line_exit_2(cli_bytes, tmp_path, fmt, command):
-    """Problem sets in the field's formats (sptool.problemsets) fail like a bad JSONL line:
+    """Problem sets in the field's formats (sptool.stages.problemsets) fail like a bad JSONL line:
     ``source:row: field 'x': expected ...``, exit 2, nothing on stdout."""
     rows = [{"problem": "What is the value of three plus four, written out?", "solution": "\\boxed{7}"},
             {"problem": "What is the value of two plus two, written out?", "solution": "four"}]

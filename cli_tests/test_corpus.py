@@ -365,7 +365,7 @@ def test_local_backend_offline_pipeline(sptool):
 # ---- fast checks of the pieces ----------------------------------------------------------------
 
 def test_address_policy():
-    from sptool.corpus.policy import UrlPolicy, address_problem
+    from sptool.stages.corpus.policy import UrlPolicy, address_problem
 
     assert address_problem("8.8.8.8") is None
     assert address_problem("127.0.0.1") == "loopback"
@@ -386,7 +386,7 @@ def test_address_policy():
 
 
 def test_url_policy_lists_and_file(tmp_path):
-    from sptool.corpus.policy import load_policy
+    from sptool.stages.corpus.policy import load_policy
 
     policy = load_policy()
     assert policy.check_url("https://en.wikipedia.org/wiki/Pythagorean_theorem") is None
@@ -427,9 +427,9 @@ def test_record_without_leaf_is_bad_input(sptool, tmp_path):
 
 
 def test_bm25_cosine_and_language_by_hand():
-    from sptool.corpus.clean import NearDuplicateIndex, english_score, language_ok
-    from sptool.corpus.search import bm25_scores
-    from sptool.corpus.similarity import cosine_similarity
+    from sptool.stages.corpus.clean import NearDuplicateIndex, english_score, language_ok
+    from sptool.stages.corpus.search import bm25_scores
+    from sptool.stages.corpus.similarity import cosine_similarity
 
     # idf = ln(1 + (2 - 1 + 0.5)/(1 + 0.5)) = ln 2; tf part = 2.5 / (1 + 1.5(0.25 + 0.75·2/1.5)) = 0.869565
     scores = bm25_scores(["a"], [["a", "b"], ["b"]])
@@ -446,8 +446,8 @@ def test_bm25_cosine_and_language_by_hand():
 
 
 def test_fetcher_size_cap_and_content_length(site):
-    from sptool.corpus.fetch import Fetcher
-    from sptool.corpus.policy import UrlPolicy
+    from sptool.stages.corpus.fetch import Fetcher
+    from sptool.stages.corpus.policy import UrlPolicy
 
     fetcher = Fetcher(UrlPolicy(allow_private=True), timeout=2, retries=0, per_host_delay=0, max_bytes=1000)
     result = fetcher.fetch(f"{site.base}/pythagorean-theorem.html")
@@ -458,8 +458,8 @@ def test_fetcher_size_cap_and_content_length(site):
 
 
 def test_politeness_delay_spaces_requests_to_one_host(site):
-    from sptool.corpus.fetch import Fetcher
-    from sptool.corpus.policy import UrlPolicy
+    from sptool.stages.corpus.fetch import Fetcher
+    from sptool.stages.corpus.policy import UrlPolicy
 
     fetcher = Fetcher(UrlPolicy(allow_private=True), timeout=2, retries=0, per_host_delay=0.2, concurrency=4)
     start = time.monotonic()
@@ -471,7 +471,7 @@ def test_politeness_delay_spaces_requests_to_one_host(site):
 def test_the_same_page_extracts_every_time_in_one_process():
     """trafilatura's own ``deduplicate`` keeps a process-wide cache and returned nothing from
     the third extraction of a page on; a pool refresh or a later iteration lost its pages."""
-    from sptool.corpus.clean import extract_text
+    from sptool.stages.corpus.clean import extract_text
 
     html = (FIXTURES / "web" / "prime-numbers.html").read_text()
     texts = [extract_text(html, url="http://127.0.0.1/prime-numbers.html") for _ in range(5)]

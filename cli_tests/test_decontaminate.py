@@ -9,7 +9,7 @@ import re
 import pytest
 
 from conftest import read_jsonl, run_sptool, write_jsonl
-from sptool.decontaminate import BenchmarkIndex, DecontaminateStage, load_index, normalised_words
+from sptool.stages.decontaminate import BenchmarkIndex, DecontaminateStage, load_index, normalised_words
 
 NAMES = ["Amira", "Bruno", "Chen", "Dalia", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jonas", "Keiko",
          "Lars", "Mirela", "Nadia", "Omar", "Priya", "Quentin", "Rosa", "Sanjay", "Tomasz", "Uma", "Viktor",

@@ -54,8 +54,8 @@ def test_search_url_and_wiki_url_options_refuse_metadata_endpoints(cli, tmp_path
 
 def test_a_trusted_endpoint_resolving_to_the_metadata_service_is_refused_at_request_time():
     """DNS may change between the check and the request: the client checks the trusted origin too."""
-    from sptool.corpus.policy import network_policy
-    from sptool.net import HttpClient, HttpError
+    from sptool.stages.corpus.policy import network_policy
+    from sptool.net.http import HttpClient, HttpError
 
     policy = network_policy()
     policy.resolver = lambda host, port: ["169.254.169.254"]
@@ -66,7 +66,7 @@ def test_a_trusted_endpoint_resolving_to_the_metadata_service_is_refused_at_requ
 
 
 def test_aws_ipv6_metadata_address_is_not_a_private_one():
-    from sptool.corpus.policy import address_problem, network_policy
+    from sptool.stages.corpus.policy import address_problem, network_policy
 
     assert address_problem("fd00:ec2::254") == "link-local/metadata"
     assert network_policy(allow_private=True).address_allowed("fd00:ec2::254") == "link-local/metadata"

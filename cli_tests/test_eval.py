@@ -8,7 +8,7 @@ import math
 import pytest
 
 from conftest import FIXTURES, run_sptool
-from sptool.evaluate import evaluate_benchmark, mean_at_k, pass_at_k, parse_ks
+from sptool.stages.evaluate import evaluate_benchmark, mean_at_k, pass_at_k, parse_ks
 from sptool.models.scripted import ScriptedBackend
 
 

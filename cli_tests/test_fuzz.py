@@ -124,9 +124,9 @@ def test_posterior_update_survives_hostile_verdicts(tmp_path):
 def test_record_kinds_refuse_or_accept_writable_records(kind_name, tmp_path):
     """The reader + record kind of verify, train-step, eval and report: an InputError located at
     ``source:line``, or a record the writer can write back."""
-    from sptool import records as R
-    from sptool.jsonl import dumps, read_records
-    from sptool.records import InputError
+    from sptool.core import records as R
+    from sptool.core.jsonl import dumps, read_records
+    from sptool.core.records import InputError
 
     if kind_name == "TRAINING_GROUP":
         from sptool.train.step import TRAINING_GROUP as kind

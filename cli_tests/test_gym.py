@@ -6,7 +6,7 @@ import pytest
 
 from conftest import read_jsonl, run_sptool, write_jsonl
 from sptool.gym import MATH_TASKS, generate
-from sptool.verify import VerifyStage
+from sptool.stages.verify import VerifyStage
 
 
 def verify_records(records: list[dict], **options) -> list[dict]:

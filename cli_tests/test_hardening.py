@@ -131,8 +131,8 @@ def test_a_failure_before_commit_leaves_no_output(tmp_path):
     """posterior update saves the tree in run_stage's before_commit: when that fails, -o and
     --rejects keep their old content (the old order wrote -o, then failed saving the tree)."""
     from sptool.cli.common import run_stage
-    from sptool.records import RuntimeFailure
-    from sptool.stage import Stage
+    from sptool.core.records import RuntimeFailure
+    from sptool.core.stage import Stage
 
     class Echo(Stage):
         name = "echo"
@@ -275,7 +275,7 @@ NESTED_BOXES = "\\boxed{" * 8000 + "1" + "}" * 8000       # took `verify --deadl
 def test_nested_boxes_and_slow_grading_end_within_the_deadline_plus_a_second():
     import time
 
-    from sptool.verify import VerifyStage, extract_final_answer
+    from sptool.stages.verify import VerifyStage, extract_final_answer
 
     started = time.monotonic()
     assert extract_final_answer("\\boxed{" * 30000) is None  # parent side: linear, unclosed
@@ -442,10 +442,10 @@ def listener():
 
 def _clients(base: str, timeout: float, **policy):
     """Every outbound HTTP client of sptool, pointed at ``base``: name -> call()."""
-    from sptool.corpus.fetch import Fetcher
-    from sptool.corpus.policy import UrlPolicy
-    from sptool.corpus.search import BraveSearch, SearxngSearch, WikipediaSearch
-    from sptool.titles import WikipediaTitles
+    from sptool.stages.corpus.fetch import Fetcher
+    from sptool.stages.corpus.policy import UrlPolicy
+    from sptool.stages.corpus.search import BraveSearch, SearxngSearch, WikipediaSearch
+    from sptool.stages.tree.title_sources import WikipediaTitles
 
     os.environ.setdefault("SPTOOL_BRAVE_API_KEY", "test-key")
     return {
@@ -760,7 +760,7 @@ def test_corrupt_run_state_is_one_line(tmp_path):
 
 
 def test_a_corrupt_pool_file_is_one_line(tmp_path):
-    from sptool.corpus.pool import LeafPool
+    from sptool.stages.corpus.pool import LeafPool
 
     pool = tmp_path / "pool"
     LeafPool(pool).path_for("Pythagorean theorem").write_text('{"url": "http://a", "text": "ok"}\n{"url": \n')

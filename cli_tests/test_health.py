@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sptool.decontaminate import TextIndex
+from sptool.stages.decontaminate import TextIndex
 from sptool.run.health import (HealthThresholds, collapse_reasons, difficulty_histogram, duplicate_shares,
                                group_signal_share, signal_share)
 

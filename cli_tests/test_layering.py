@@ -20,18 +20,17 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "sptool"
 
 # Layer of each package, lowest first (docs/architecture.md, "Layers").
 LAYERS: list[tuple[str, ...]] = [
-    # 0 core: records, JSONL, the stage contract, registries, fault points
-    ("records", "jsonl", "fsguard", "stage", "registry", "faults", "core"),
-    # 1 support: process pools, outbound HTTP, reasoning-gym sets, reward formulas
-    ("workers", "net", "gym", "rewards"),
+    # 0 core: records, JSONL, atomic files, the stage contract, registries, process pools, fault points
+    ("core",),
+    # 1 support: outbound HTTP, reasoning-gym sets, reward formulas
+    ("net", "gym", "rewards"),
     # 2 models and prompts
     ("models", "prompts"),
-    # 3 stages (one CLI stage each)
-    ("verify", "solve", "challenge", "novelty", "tree", "tree_plot", "decontaminate", "evaluate",
-     "corpus", "titles", "stages", "problemsets"),
+    # 3 the stages the command line exposes (one module or package each)
+    ("stages",),
     # 4 typed settings and their limits (they name the objectives and backends), training groups,
     # training, reports, processes
-    ("settings", "limits", "filter", "train", "report", "distributed", "serve"),
+    ("settings", "filter", "train", "report", "distributed", "serve"),
     # 5 the executor (knows no recipe)
     ("run", "export"),
     # 6 the papers' loops
@@ -176,6 +175,41 @@ def test_no_circle_between_packages():
 
 def test_no_circle_between_modules_of_a_package():
     assert picture()["module_circles"] == []
+
+
+def test_the_source_imports_modules_by_their_present_names():
+    """No import in src/ names a module that moved (the arrows above would miss it): every
+    ``sptool.X`` it imports exists under that name."""
+    modules = {module_name(p) for p in SRC.rglob("*.py")}
+    stale = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module
+                     else [])
+            stale += [f"{path.relative_to(SRC)}: {name}" for name in names
+                      if name.startswith("sptool.") and name not in modules]
+    assert stale == []
+
+
+def test_moved_modules_import_under_their_old_names():
+    """``import sptool.records`` (a name from before the re-layout) is the module at its new name,
+    the same object, and says where it went; a submodule of a moved package too."""
+    import subprocess
+
+    code = ("import warnings, sys; warnings.simplefilter('always');\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    import sptool.records, sptool.challenge.parsing, sptool.limits\n"
+            "import sptool.core.records, sptool.stages.challenge.parsing, sptool.settings.limits\n"
+            "assert sys.modules['sptool.records'] is sptool.core.records\n"
+            "assert sys.modules['sptool.challenge.parsing'] is sptool.stages.challenge.parsing\n"
+            "assert sys.modules['sptool.limits'] is sptool.settings.limits\n"
+            "assert sptool.stages.challenge.parsing.__spec__.name == 'sptool.stages.challenge.parsing'\n"
+            "print([str(w.message) for w in caught])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "sptool.records moved to sptool.core.records" in result.stdout
+    assert "sptool.challenge.parsing moved to sptool.stages.challenge.parsing" in result.stdout
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import FIXTURES, read_jsonl, write_jsonl
 from sptool.models.scripted import ScriptedBackend
-from sptool.novelty import (LexicalJudge, NoveltyStage, draw_comparison_partners, masked_similarity,
+from sptool.stages.novelty import (LexicalJudge, NoveltyStage, draw_comparison_partners, masked_similarity,
                             novelty_pass_probability, parse_same_task_verdict)
 
 BATCH = FIXTURES / "novelty_batch.jsonl"

@@ -1,4 +1,4 @@
-"""Labelled problem sets in the field's formats (sptool.problemsets): parquet, CSV, JSON, a
+"""Labelled problem sets in the field's formats (sptool.stages.problemsets): parquet, CSV, JSON, a
 `datasets` save_to_disk directory, hf: ids; column mapping and the gsm8k/math/aime/numina presets;
 bad rows as one `source:row: field 'x': expected ...` line, exit 2. Every set is built here, in
 GSM8K and MATH layouts; nothing reaches the network."""
@@ -50,13 +50,13 @@ def save_to_disk(path: Path, rows: list[dict], split: str | None = None) -> Path
 
 
 def read(spec, preset="", question_field="", answer_field="", **options):
-    from sptool.problemsets import Mapping, read_problems
+    from sptool.stages.problemsets import Mapping, read_problems
 
     return read_problems(str(spec), mapping=Mapping(preset, question_field, answer_field), **options)
 
 
 def test_each_format_and_preset_reads_the_reference_answers(tmp_path):
-    from sptool.records import InputError
+    from sptool.core.records import InputError
 
     gsm = read(write_parquet(tmp_path / "gsm8k.parquet", GSM8K), "gsm8k", need_answer=True)
     assert [(r["question"], r["answer"]) for r in gsm] == [(GSM8K[0]["question"], "42"),
@@ -97,7 +97,7 @@ def test_each_format_and_preset_reads_the_reference_answers(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["parquet", "csv", "disk"])
 def test_a_bad_row_is_one_line_naming_source_row_field_and_what_was_expected(tmp_path, fmt):
-    from sptool.records import InputError
+    from sptool.core.records import InputError
 
     rows = MATH + [{"problem": "Find x.", "solution": "It is 3.", "level": "Level 2", "type": "Algebra"}]
     source = {"parquet": lambda: write_parquet(tmp_path / "m.parquet", rows),
@@ -219,7 +219,7 @@ def check_export(run_dir: Path, tmp_path: Path, data: str, *, curve: bool) -> Pa
     from transformers import AutoModelForCausalLM
 
     from sptool import __version__
-    from sptool.problemsets import source_sha256
+    from sptool.stages.problemsets import source_sha256
 
     out = tmp_path / "exported"
     result = run_sptool("export", str(run_dir), "--output", str(out))

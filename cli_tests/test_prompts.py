@@ -47,7 +47,7 @@ def test_packaged_defaults_and_explicit_overrides():
 
 def test_prompt_files_and_errors(tmp_path):
     from sptool.prompts import load_prompt
-    from sptool.records import UsageError
+    from sptool.core.records import UsageError
 
     template = tmp_path / "mine.txt"
     template.write_text("Q: {question}\nA:")

@@ -64,7 +64,7 @@ def test_decontaminate_refuses_a_question_that_is_not_a_string(cli, question):
 
 
 def test_train_step_refuses_positive_old_logprobs():
-    from sptool.records import InputError
+    from sptool.core.records import InputError
     from sptool.train.step import TRAINING_GROUP
 
     group = {"prompt": [{"role": "user", "content": "2+2?"}], "completions": ["4", "5"],

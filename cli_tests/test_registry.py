@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from sptool.records import UsageError
-from sptool.registry import Registry
+from sptool.core.records import UsageError
+from sptool.core.registry import Registry
 
 
 def test_lazy_entry_is_imported_on_first_get_only():
@@ -46,7 +46,7 @@ def test_unknown_name_suggests_the_closest_and_lists_sorted_choices():
 
 
 def test_sptool_tables_use_the_registry_and_stay_lazy():
-    code = ("import sys; from sptool.models.base import BACKENDS; from sptool.corpus.search import SEARCH_BACKENDS;"
+    code = ("import sys; from sptool.models.base import BACKENDS; from sptool.stages.corpus.search import SEARCH_BACKENDS;"
             "print(BACKENDS.names(), SEARCH_BACKENDS.names(), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == ("['hf', 'openai', 'scripted', 'vllm'] ['brave', 'local', 'searxng', 'wikipedia'] False")

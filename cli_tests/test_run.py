@@ -393,7 +393,7 @@ def test_resume_refuses_changed_configuration(tmp_path, random_policy):
     driver = build_run(config, run_dir)
     driver._prepare_dir()
     changed = load_config("rzero", tiny=True, sets=["samples=6"])
-    from sptool.records import UsageError
+    from sptool.core.records import UsageError
 
     with pytest.raises(UsageError, match="rzero.samples"):
         build_run(changed, run_dir, resume=True)._prepare_dir()
@@ -407,7 +407,7 @@ def test_resume_accepts_a_run_saved_before_a_key_existed(tmp_path):
     from sptool.recipes import load_config
     from sptool.recipes import build_run
     from sptool.run.driver import MANIFEST
-    from sptool.records import UsageError
+    from sptool.core.records import UsageError
 
     run_dir = tmp_path / "r"
     build_run(load_config("svs", tiny=True), run_dir)._prepare_dir()

@@ -9,7 +9,7 @@ import pytest
 from conftest import FIXTURES, read_jsonl, run_sptool, write_jsonl
 from sptool.models.base import SamplingParams
 from sptool.models.scripted import ScriptedBackend
-from sptool.solve import SolveStage
+from sptool.stages.solve import SolveStage
 
 
 def test_scripted_solve_adds_samples_answers_and_prompt():

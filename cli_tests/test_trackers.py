@@ -8,7 +8,7 @@ import sqlite3
 import pytest
 
 from conftest import run_sptool
-from sptool.records import UsageError
+from sptool.core.records import UsageError
 from sptool.run.trackers import flatten, parse_log_with
 from test_run import ENV, scripted_args
 

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import FIXTURES, read_jsonl, write_jsonl
 from sptool.models.scripted import ScriptedBackend
-from sptool.titles import LocalTitles, WikipediaTitles
-from sptool.tree import (PosteriorUpdateStage, TreeExpander, ExpandOptions, beta_posterior,
+from sptool.stages.tree.title_sources import LocalTitles, WikipediaTitles
+from sptool.stages.tree import (PosteriorUpdateStage, TreeExpander, ExpandOptions, beta_posterior,
                          candidate_children, clean_proposal, choose_by_votes, load_tree,
                          learnability_observation, new_tree, node_path_labels, real_children,
                          record_observation, save_tree, slide_window, thompson_sample_path,
@@ -116,7 +116,7 @@ def test_thompson_path_frequencies_match_integrated_probabilities():
     tree = new_tree("mathematics", max_depth=3, window_size=5, children=["A", "B"])
     dom = domain_id(tree)
     a, b = child_by_label(tree, dom, "A"), child_by_label(tree, dom, "B")
-    from sptool.tree import add_node
+    from sptool.stages.tree import add_node
     a1, a2 = add_node(tree, a, "a1"), add_node(tree, a, "a2")
     b1 = add_node(tree, b, "b1")
     set_window(tree, a, [1, 1, 1, 0])       # Beta(4, 2)
@@ -156,7 +156,7 @@ def test_cap_masks_unk():
     tree = new_tree("mathematics", max_depth=2, max_children=2, children=["A"])
     dom = domain_id(tree)
     assert len(candidate_children(tree, dom)) == 2          # A + unk
-    from sptool.tree import add_node
+    from sptool.stages.tree import add_node
     add_node(tree, dom, "B")
     names = [tree["nodes"][c]["label"] for c in candidate_children(tree, dom)]
     assert names == ["A", "B"]                              # at the cap: no unk

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from conftest import read_jsonl, run_sptool, write_jsonl
-from sptool.verify import VerifyStage, extract_final_answer, grade, last_boxed, majority_classes
+from sptool.stages.verify import VerifyStage, extract_final_answer, grade, last_boxed, majority_classes
 
 
 def samples(*texts):

@@ -151,7 +151,7 @@ def run_sharded(backend: ShardedBackend, stage, records: list[dict], run: Callab
     dist = backend.dist
     probe = copy.copy(stage)
     probe.on_drop = None
-    from sptool.stage import StageStats
+    from sptool.core.stage import StageStats
 
     probe.stats = StageStats()
     backend._recorded = []

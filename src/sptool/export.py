@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from sptool.records import UsageError
+from sptool.core.records import UsageError
 
 TINY_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _SKIP = {"sptool_state"}
@@ -143,7 +143,7 @@ def _base_model(config: dict, state: dict, role: str) -> str:
 
 def data_sources(config: dict) -> list[tuple[str, str, str]]:
     """(what, source, sha256 or a note) of every problem set the run's settings name."""
-    from sptool.problemsets import source_sha256
+    from sptool.stages.problemsets import source_sha256
 
     recipe = config.get("recipe", "")
     named: list[tuple[str, str]] = []

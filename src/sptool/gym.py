@@ -19,8 +19,8 @@ import json
 import re
 from typing import Any, Iterator
 
-from sptool.jsonl import loads_strict
-from sptool.records import RuntimeFailure, UsageError, content_id
+from sptool.core.jsonl import loads_strict
+from sptool.core.records import RuntimeFailure, UsageError, content_id
 
 # Tasks whose answer is a single number, fraction or expression that math-verify's equivalence
 # grades as the task means it. Others (e.g. fraction_simplification, which wants lowest terms,
@@ -52,7 +52,7 @@ def available_tasks() -> list[str]:
 def check_task(name: str) -> None:
     tasks = available_tasks()
     if name not in tasks:
-        from sptool.registry import closest
+        from sptool.core.registry import closest
 
         close = closest(name, tasks, n=3)
         hint = f"; did you mean: {', '.join(close)}?" if close else " (see `sptool data gym --list`)"

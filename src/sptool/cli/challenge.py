@@ -57,7 +57,7 @@ def challenge(
     Examples: sptool challenge --from documents docs.jsonl --candidates 8 |
     sptool challenge --from nothing --candidates 8 | sptool challenge --from solutions verified.jsonl
     """
-    from sptool.challenge import MODES, make_challenge_stage
+    from sptool.stages.challenge import MODES, make_challenge_stage
     from sptool.models.base import SamplingParams
 
     spec = prompt_options.load(MODES.get(source).role)

@@ -17,10 +17,10 @@ from typing import Any, Callable, Iterator, List, Optional
 import typer
 from rich.console import Console
 
-from sptool.fsguard import check_outputs
-from sptool.jsonl import AtomicJsonlWriter, read_records, source_name
-from sptool.records import InputError
-from sptool.stage import Stage
+from sptool.core.fsguard import check_outputs
+from sptool.core.jsonl import AtomicJsonlWriter, read_records, source_name
+from sptool.core.records import InputError
+from sptool.core.stage import Stage
 
 err_console = Console(stderr=True, highlight=False)
 

@@ -62,13 +62,13 @@ def fetch(
     rejects: Optional[str] = common.RejectsOpt,
 ) -> None:
     """Documents for each path record ('leaf') or query record ('query') from a search backend."""
-    from sptool.corpus.fetch import DEFAULT_USER_AGENT, Fetcher
-    from sptool.corpus.policy import load_policy
-    from sptool.corpus.pool import LeafPool
-    from sptool.corpus.search import load_search
-    from sptool.corpus.similarity import SentenceTransformerEncoder
-    from sptool.corpus.stage import CorpusFetchStage
-    from sptool.records import UsageError
+    from sptool.stages.corpus.fetch import DEFAULT_USER_AGENT, Fetcher
+    from sptool.stages.corpus.policy import load_policy
+    from sptool.stages.corpus.pool import LeafPool
+    from sptool.stages.corpus.search import load_search
+    from sptool.stages.corpus.similarity import SentenceTransformerEncoder
+    from sptool.stages.corpus.stage import CorpusFetchStage
+    from sptool.core.records import UsageError
 
     if refresh and not pool:
         raise UsageError("--refresh needs --pool DIR")

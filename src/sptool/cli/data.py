@@ -34,8 +34,8 @@ def gym(
     by math-verify ('grader': 'math-verify'); others by the task's own scorer ('reasoning-gym').
     """
     from sptool import gym as G
-    from sptool.jsonl import AtomicJsonlWriter
-    from sptool.records import UsageError
+    from sptool.core.jsonl import AtomicJsonlWriter
+    from sptool.core.records import UsageError
 
     if list_tasks:
         for name in G.available_tasks():

@@ -44,8 +44,8 @@ def decontaminate(
     record goes to --rejects with 'contamination': benchmark, problem_id, method (ngram or
     minhash), the matched span and the similarity.
     """
-    from sptool.decontaminate import DecontaminateStage, load_index
-    from sptool.problemsets import Mapping
+    from sptool.stages.decontaminate import DecontaminateStage, load_index
+    from sptool.stages.problemsets import Mapping
 
     index = load_index(benchmarks, mapping=Mapping(preset or "", question_field or "").check(),
                        ngram=ngram, min_words=min_words,

@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
 
 def benchmark_names(paths: List[str]) -> List[str]:
     """One name per benchmark source: its stem (a hub id), or its path where two share a stem."""
-    from sptool.problemsets import source_name
+    from sptool.stages.problemsets import source_name
 
     stems = [source_name(path) for path in paths]
     return [path if stems.count(stem) > 1 else stem for stem, path in zip(stems, paths)]
@@ -52,11 +52,11 @@ def evaluate(
     """Evaluate a model: greedy accuracy, mean@k, and unbiased pass@k per benchmark."""
     from rich.table import Table
 
-    from sptool.evaluate import evaluate_benchmark, parse_ks
-    from sptool.jsonl import AtomicJsonlWriter
+    from sptool.stages.evaluate import evaluate_benchmark, parse_ks
+    from sptool.core.jsonl import AtomicJsonlWriter
     from sptool.models.base import SamplingParams
-    from sptool.problemsets import Mapping, read_problems
-    from sptool.records import LABELLED
+    from sptool.stages.problemsets import Mapping, read_problems
+    from sptool.core.records import LABELLED
 
     common.check_outputs({"--samples-out": samples_out})
     mapping = Mapping(preset or "", question_field or "", answer_field or "").check()

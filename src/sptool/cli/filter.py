@@ -75,8 +75,8 @@ def filter_command(
 ) -> None:
     """Turn verified records into training groups (role, prompt, completions, rewards, advantages)."""
     from sptool.filter import FILTERS
-    from sptool.jsonl import read_records
-    from sptool.records import UsageError
+    from sptool.core.jsonl import read_records
+    from sptool.core.records import UsageError
     from sptool.settings import parse_band
 
     FILTERS.check(recipe)
@@ -113,7 +113,7 @@ def filter_command(
 def refuse_foreign(given: dict, recipe: str, own: set[str], mode: str = "") -> None:
     """One usage error for the first option that is not one of ``recipe``'s."""
     from sptool.filter import FILTERS
-    from sptool.records import UsageError
+    from sptool.core.records import UsageError
 
     for name in given:
         if name in own:

@@ -1,6 +1,6 @@
 """The ``sptool`` command: a thin typer app; each command group lives in its own module.
 
-Errors raised by the library as :class:`~sptool.records.SptoolError` become one line on stderr
+Errors raised by the library as :class:`~sptool.core.records.SptoolError` become one line on stderr
 and the error's exit code (2 for bad input and usage, 1 for runtime failures), never a
 traceback (``SPTOOL_TRACEBACK=1`` shows one for debugging). The conversion happens inside the
 app (:class:`SptoolGroup`), so ``sptool``, ``python -m sptool`` and an in-process ``CliRunner``
@@ -19,7 +19,7 @@ from typer.core import TyperGroup
 from sptool import __version__
 from sptool.cli import (challenge, corpus, data, decontaminate, eval, export, filter, novelty, posterior,
                         recipes, report, run, serve, solve, train, tree, verify)
-from sptool.records import SptoolError
+from sptool.core.records import SptoolError
 
 
 class SptoolGroup(TyperGroup):
@@ -118,7 +118,7 @@ for _module in COMMAND_MODULES:
 
 def _check_options_first(typer_app: typer.Typer) -> None:
     """Every command checks its numeric options (finite, in range) before doing any work."""
-    from sptool.limits import checked
+    from sptool.settings.limits import checked
 
     for info in typer_app.registered_commands:
         if info.callback is not None:

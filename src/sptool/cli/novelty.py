@@ -38,7 +38,7 @@ def novelty(
     Adds 'novelty': {novel, compared: [{id, verdict, raw}], judge, k}. Records with
     "valid": false pass through untouched. Cost: candidates x partners judgements.
     """
-    from sptool.novelty import NoveltyStage
+    from sptool.stages.novelty import NoveltyStage
 
     judge = backend_options.load(quiet)
     stage = NoveltyStage(judge, k=partners, batch_size=candidates_per_batch, seed=seed,

@@ -8,7 +8,7 @@ import typer
 
 from sptool.cli import common
 from sptool.rewards import WIST_SIGMA
-from sptool.tree import DEFAULT_TAU_VAR, REFERENCE_GROUP_THRESHOLD
+from sptool.stages.tree import DEFAULT_TAU_VAR, REFERENCE_GROUP_THRESHOLD
 
 posterior_app = typer.Typer(
     help="Update the domain tree's Beta posteriors from verdicts.\n\n"
@@ -42,7 +42,7 @@ def update(
     Verdicts need 'path_id' (and 'nodes', else the path is looked up in the tree), 'var' and
     'valid'. Idempotent: verdicts already applied (by id) are not counted twice.
     """
-    from sptool.tree import PosteriorUpdateStage, load_tree, save_tree
+    from sptool.stages.tree import PosteriorUpdateStage, load_tree, save_tree
 
     tree = load_tree(tree_path)
     stage = PosteriorUpdateStage(tree, rule=rule, tau_var=tau_var, group_threshold=group_threshold,

@@ -37,7 +37,7 @@ def show(
 ) -> None:
     """Print the effective configuration (defaults < recipe < --tiny < --config < --set)."""
     from sptool.recipes import load_config, recipe_text, to_toml
-    from sptool.records import UsageError
+    from sptool.core.records import UsageError
 
     if source:
         typer.echo(recipe_text(name), nl=False)

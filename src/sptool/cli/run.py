@@ -124,7 +124,7 @@ def run(
     --set svs.problems=64 --eval held_out.jsonl --eval-every 5 | sptool run --recipe wist --run-dir runs/w1 --resume
     """
     from sptool.recipes import build_run, data_recipes, load_config
-    from sptool.records import UsageError
+    from sptool.core.records import UsageError
 
     shortcuts = [(iterations, "run.iterations"), (data, f"{recipe}.data"), (model, "model.policy"),
                  (backend, "model.backend"), (base_url, "model.base_url"),

@@ -42,13 +42,13 @@ def solve(
     import time
 
     from sptool.models.base import SamplingParams
-    from sptool.records import RuntimeFailure
-    from sptool.solve import MODES, SolveStage
+    from sptool.core.records import RuntimeFailure
+    from sptool.stages.solve import MODES, SolveStage
 
     deadline_at = None if deadline is None else time.monotonic() + deadline
 
     if mode not in MODES:
-        from sptool.records import UsageError
+        from sptool.core.records import UsageError
 
         raise UsageError(f"unknown --mode '{mode}'; choose from {', '.join(MODES)}")
     spec = prompt_options.load(MODES[mode])

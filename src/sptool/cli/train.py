@@ -98,8 +98,8 @@ def train_step(
     'old_logprobs', 'finish_reasons'). Run the same command under `accelerate launch` or
     `torchrun` to split the batch across processes.
     """
-    from sptool.jsonl import AtomicJsonlWriter, read_records, source_name
-    from sptool.records import UsageError
+    from sptool.core.jsonl import AtomicJsonlWriter, read_records, source_name
+    from sptool.core.records import UsageError
     from sptool.train import checkpoint as ckpt
     from sptool.train.step import TRAINING_GROUP, PolicyTrainer, TrainConfig, select_roles, split_updates
 

@@ -38,8 +38,8 @@ def init(
     quiet: bool = common.QuietOpt,
 ) -> None:
     """Create a tree: virtual root → domain (→ known children), each internal node with an unk."""
-    from sptool.records import UsageError
-    from sptool.tree import new_tree, save_tree
+    from sptool.core.records import UsageError
+    from sptool.stages.tree import new_tree, save_tree
 
     if os.path.exists(tree_path) and not force:
         raise UsageError(f"{tree_path} exists; pass --force to overwrite it")
@@ -98,10 +98,10 @@ def expand(
     are rejected, non-leaf proposals must match a title (s_max >= tau_wiki). The tree file is
     updated atomically; every rejected proposal is kept in its 'rejections' with the reason.
     """
-    from sptool.jsonl import AtomicJsonlWriter
+    from sptool.core.jsonl import AtomicJsonlWriter
     from sptool.models.base import SamplingParams
-    from sptool.titles import load_title_backend
-    from sptool.tree import ExpandOptions, TreeExpander, load_tree, save_tree
+    from sptool.stages.tree.title_sources import load_title_backend
+    from sptool.stages.tree import ExpandOptions, TreeExpander, load_tree, save_tree
 
     common.check_outputs({"--output": output, "--rejects": rejects})
     if reference_voting:
@@ -147,8 +147,8 @@ def show(
     hide_unk: bool = typer.Option(False, "--hide-unk", help="Leave out the unk placeholders."),
 ) -> None:
     """Show the tree with each node's posterior mean α̃/(α̃+β̃), window and visit count."""
-    from sptool.records import UsageError
-    from sptool.tree import load_tree, tree_rows
+    from sptool.core.records import UsageError
+    from sptool.stages.tree import load_tree, tree_rows
 
     common.check_outputs({"--output": output})
     tree = load_tree(tree_path)
@@ -159,14 +159,14 @@ def show(
                     "rejections": len(tree["rejections"])}
         text = json.dumps(document, ensure_ascii=False, indent=2) + "\n"
         if output:
-            from sptool.jsonl import write_json_atomic
+            from sptool.core.jsonl import write_json_atomic
             write_json_atomic(output, document)
         else:
             typer.echo(text, nl=False)
     elif fmt == "png":
         if not output:
             raise UsageError("--format png needs -o FILE.png")
-        from sptool.tree.plot import plot_tree
+        from sptool.stages.tree.plot import plot_tree
         plot_tree(tree, rows, output)
         common.err_console.print(f"tree show: wrote {output} ({len(rows)} nodes)", markup=False)
     elif fmt == "text":
@@ -206,7 +206,7 @@ def _print_rich(tree: dict, rows: list[dict], output: Optional[str]) -> None:
     if output:
         import io
 
-        from sptool.jsonl import write_text_atomic
+        from sptool.core.jsonl import write_text_atomic
 
         buffer = io.StringIO()
         Console(file=buffer, width=120, no_color=True).print(root)

@@ -29,7 +29,7 @@ def verify(
     rejects: Optional[str] = common.RejectsOpt,
 ) -> None:
     """Grade solved questions: per-sample answer/correct, p_hat, var, majority, invalid_frac."""
-    from sptool.verify import VerifyStage
+    from sptool.stages.verify import VerifyStage
 
     stage = VerifyStage(workers=workers, deadline_s=deadline, pseudo_label=pseudo_label,
                         require_boxed=require_boxed)

@@ -13,7 +13,7 @@ class; ``FILTERS.get(name).Options`` is its options dataclass (the recipe's filt
 
 from __future__ import annotations
 
-from sptool.registry import Registry
+from sptool.core.registry import Registry
 
 FILTERS: Registry = Registry("recipe", {
     "wist": "sptool.filter.wist:WistFilter",

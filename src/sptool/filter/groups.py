@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Iterator
 
 from sptool import rewards as R
-from sptool.records import InputError, content_id, record_error
+from sptool.core.records import InputError, content_id, record_error
 from sptool.settings import check_ranges
-from sptool.stage import Stage
+from sptool.core.stage import Stage
 
 ADVANTAGES = ("dr_grpo", "grpo")
 ROLES = ("solver", "challenger", "questioner", "synthesis", "validity")
@@ -171,7 +171,7 @@ class TrainingGroupFilter(Stage):
     def __init__(self, options: Any = None, *, advantage: str = "dr_grpo", seed: int = 0):
         super().__init__()
         if advantage not in ADVANTAGES:
-            from sptool.registry import unknown_name_error
+            from sptool.core.registry import unknown_name_error
             raise unknown_name_error("--advantage", advantage, list(ADVANTAGES))
         self.options = options if options is not None else self.Options()
         if self.options is not None:

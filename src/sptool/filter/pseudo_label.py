@@ -27,7 +27,7 @@ from sptool import rewards as R
 from sptool.filter.groups import (TrainingGroupFilter, contiguous_batches, finish_reasons_of,
                                   generation_prompt, has_boxed_answer, is_parsed, sample_logprobs, sample_token_ids,
                                   samples_of, stop_strings_of, verdict, verify_error_of)
-from sptool.records import InputError, content_id
+from sptool.core.records import InputError, content_id
 from sptool.settings import setting
 
 
@@ -172,7 +172,7 @@ class RZeroFilter(TrainingGroupFilter):
         samples = samples_of(record)
         if record.get("label_source") == "majority":
             return [bool(s.get("correct")) for s in samples]
-        from sptool.verify import answers_equivalent  # graded against a reference: re-grade
+        from sptool.stages.verify import answers_equivalent  # graded against a reference: re-grade
 
         self.stats.notes["re-graded against the majority (verify without --pseudo-label)"] += 1
         results = []

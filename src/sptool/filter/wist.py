@@ -15,7 +15,7 @@ from typing import Iterator
 
 from sptool import rewards as R
 from sptool.filter.groups import TrainingGroupFilter, contiguous_groups, is_parsed, samples_of
-from sptool.records import content_id
+from sptool.core.records import content_id
 from sptool.settings import setting
 
 

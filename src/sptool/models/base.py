@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol, Union
 
-from sptool.records import UsageError
-from sptool.registry import Registry, unknown_name_error  # noqa: F401 (re-exported)
+from sptool.core.records import UsageError
+from sptool.core.registry import Registry, unknown_name_error  # noqa: F401 (re-exported)
 
 ChatMessages = list[dict[str, str]]
 Prompt = Union[ChatMessages, str]

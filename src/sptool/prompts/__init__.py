@@ -21,7 +21,7 @@ A spec has three parts:
 The questioner also has an optional answer phase (``answer_prefix``, ``answer_stop``,
 ``answer_max_tokens``): after the question phase stops, the reply is continued with
 ``answer_prefix`` and generated until ``answer_stop`` — two short, shape-constrained generations
-instead of one free-form one (see :class:`sptool.challenge.QuestionerStage`).
+instead of one free-form one (see :class:`sptool.stages.challenge.QuestionerStage`).
 Packaged prompts carry their own prefix and stop strings; explicit values override them.
 """
 
@@ -34,7 +34,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from sptool.records import InputError, UsageError
+from sptool.core.records import InputError, UsageError
 
 _PLACEHOLDER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
 
@@ -216,7 +216,7 @@ def load_prompt(role: str, name_or_path: str | None = None, *, prefix: str | Non
             raise UsageError(f"cannot read {role} prompt file {name}: {exc}") from None
         base = dict(prefix="", stop=(), answer_prefix="", answer_stop=(), answer_max_tokens=16)
     else:
-        from sptool.registry import closest
+        from sptool.core.registry import closest
 
         close = closest(name, PACKAGED[role])
         hint = f" Did you mean '{close[0]}'?" if close else ""

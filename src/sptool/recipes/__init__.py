@@ -8,7 +8,7 @@ The effective configuration of a run is built as (later wins)::
 Every key is a field of a section dataclass (``recipes/config.py`` for the shared sections, each
 recipe module's ``Config`` for its own) with its default, help text, paper section and range. A
 key's type is its default's; an unknown key gets a did-you-mean hint and a value of the wrong type
-names the key (both :class:`~sptool.records.UsageError`, exit 2).
+names the key (both :class:`~sptool.core.records.UsageError`, exit 2).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from sptool.prompts import prompt_spec  # noqa: F401 - its home is sptool.prompts
-from sptool.records import UsageError
-from sptool.registry import Registry, closest
+from sptool.core.records import UsageError
+from sptool.core.registry import Registry, closest
 
 # name -> "module:class" of its plan (loaded on use); each module reads like its paper's algorithm
 _PLANS = {"wist": "sptool.recipes.wist:Wist", "svs": "sptool.recipes.svs:Svs",
@@ -256,7 +256,7 @@ def load_config(recipe: str, *, tiny: bool = False, config_file: str | None = No
     if tiny:
         apply_layer(config, tiny_layer, schema, f"recipes/{recipe}.toml [tiny]")
     if config_file:
-        from sptool.jsonl import read_text_file
+        from sptool.core.jsonl import read_text_file
 
         path = Path(config_file)
         if not path.is_file():

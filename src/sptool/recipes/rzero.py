@@ -200,7 +200,7 @@ class RZero(Recipe):
         """The questioner writes ``questions`` questions from nothing, ``questioner_group`` per
         prompt (``trained``: with their sampling log-probabilities, for its update)."""
         def challenge(ctx: StepContext, records: list[dict]) -> list[dict]:
-            from sptool.challenge import QuestionerStage
+            from sptool.stages.challenge import QuestionerStage
 
             stage = QuestionerStage(self.session.policy("questioner").backend, unseeded=True,
                                     candidates=questions,
@@ -338,7 +338,7 @@ class RQuest(RZero):
     # -- step bodies ----------------------------------------------------------------------------
 
     def novelty(self, ctx: StepContext, records: list[dict]) -> list[dict]:
-        from sptool.novelty import LexicalJudge, NoveltyStage
+        from sptool.stages.novelty import LexicalJudge, NoveltyStage
 
         judge = (LexicalJudge(self.c.novelty_similarity) if self.c.novelty_judge == "lexical"
                  else self.session.judge)
@@ -349,7 +349,7 @@ class RQuest(RZero):
     def init_data(self) -> list[dict]:
         """The labelled validity-initialisation set (``answer`` INVALID for a flawed problem)."""
         if self._init_data is None:
-            from sptool.problemsets import read_labelled_problems
+            from sptool.stages.problemsets import read_labelled_problems
 
             self._init_data = read_labelled_problems(self.c.init_data, "R-Quest's validity initialisation")
         return self._init_data

@@ -6,7 +6,7 @@ writes G_v variants from one of its correct solutions; the variants are solved a
 against the original answer; the filter keeps original and variant solver groups with
 0 < Acc < 1 and a synthesis group when a variant's accuracy is in the synthesis band; one policy
 update over all of them. Rewards: :mod:`sptool.rewards` (SvS section); the filter:
-:mod:`sptool.filter`; the variants: :class:`sptool.challenge.SolutionChallengeStage`.
+:mod:`sptool.filter`; the variants: :class:`sptool.stages.challenge.SolutionChallengeStage`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from sptool import rewards as R
 from sptool.filter.svs import SvsFilter, SvsOptions
 from sptool.recipes.base import Recipe, has_samples, marked_valid, walk
-from sptool.records import UsageError
+from sptool.core.records import UsageError
 from sptool.run.steps import Step, StepContext, stage_seed
 from sptool.settings import setting
 
@@ -79,7 +79,7 @@ class Svs(Recipe):
     def data(self) -> list[dict]:
         """The labelled training set (``--data``), read once."""
         if self._data is None:
-            from sptool.problemsets import mapping_of, read_labelled_problems
+            from sptool.stages.problemsets import mapping_of, read_labelled_problems
 
             if not self.c.data:
                 raise UsageError(f"{self.name} needs a labelled problem set: --data FILE "
@@ -102,7 +102,7 @@ class Svs(Recipe):
 
     def synthesize(self, ctx: StepContext, records: list[dict]) -> list[dict]:
         """Variants of the under-performing problems, each from one correct solution."""
-        from sptool.challenge import SolutionChallengeStage
+        from sptool.stages.challenge import SolutionChallengeStage
 
         c = self.c
         stage = SolutionChallengeStage(self.session.policy("policy").backend, candidates=c.variants,

@@ -19,8 +19,8 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass
 
-from sptool import tree as T
-from sptool.corpus.similarity import DEFAULT_TAU_EMB
+from sptool.stages import tree as T
+from sptool.stages.corpus.similarity import DEFAULT_TAU_EMB
 from sptool.filter.wist import WistFilter, WistOptions
 from sptool.prompts import MAX_DOCUMENT_CHARS
 from sptool.recipes.base import Recipe
@@ -112,7 +112,7 @@ class Wist(Recipe):
 
     def restore(self, run_dir) -> None:
         """The newest tree of the run, else ``wist.tree``, else a new tree for ``wist.domain``."""
-        from sptool.tree import load_tree, new_tree
+        from sptool.stages.tree import load_tree, new_tree
 
         saved = run_dir.latest_document("tree")
         if saved is not None:
@@ -124,7 +124,7 @@ class Wist(Recipe):
                                  max_children=self.c.max_children)
 
     def save_tree(self, ctx: StepContext, tree: dict) -> None:
-        from sptool.tree import tree_rows
+        from sptool.stages.tree import tree_rows
 
         self.tree = tree
         summary = [{"id": row["id"], "label": row["label"], "depth": row["depth"], "mean": row["mean"],
@@ -135,8 +135,8 @@ class Wist(Recipe):
     def expand(self, ctx: StepContext, records: list[dict]) -> list[dict]:
         """Sample ``paths`` paths (Thompson) and expand the tree along them (WIST §3.2)."""
         from sptool.models.base import SamplingParams
-        from sptool.titles import load_title_backend
-        from sptool.tree import ExpandOptions, TreeExpander
+        from sptool.stages.tree.title_sources import load_title_backend
+        from sptool.stages.tree import ExpandOptions, TreeExpander
 
         c = self.c
         tree = copy.deepcopy(self.tree)
@@ -157,15 +157,15 @@ class Wist(Recipe):
     def fetch(self, ctx: StepContext, records: list[dict]) -> list[dict]:
         """Search and fetch documents for each path's leaf; then, for each path, sample
         ``docs_per_path`` document(s) from its leaf's pool (WIST §3)."""
-        from sptool.corpus.fetch import Fetcher
-        from sptool.corpus.policy import load_policy
-        from sptool.corpus.pool import LeafPool
-        from sptool.corpus.search import load_search
-        from sptool.corpus.stage import CorpusFetchStage
+        from sptool.stages.corpus.fetch import Fetcher
+        from sptool.stages.corpus.policy import load_policy
+        from sptool.stages.corpus.pool import LeafPool
+        from sptool.stages.corpus.search import load_search
+        from sptool.stages.corpus.stage import CorpusFetchStage
 
         c = self.c
         if self._encoder is None and c.encoder.lower() != "none":
-            from sptool.corpus.similarity import SentenceTransformerEncoder
+            from sptool.stages.corpus.similarity import SentenceTransformerEncoder
 
             self._encoder = SentenceTransformerEncoder(c.encoder)
         search = load_search(c.search, url=c.search_url or None, setting="key 'wist.search_url':",
@@ -190,7 +190,7 @@ class Wist(Recipe):
 
     def challenge(self, ctx: StepContext, records: list[dict]) -> list[dict]:
         """G question-answer candidates per document."""
-        from sptool.challenge import DocumentChallengeStage
+        from sptool.stages.challenge import DocumentChallengeStage
 
         stage = DocumentChallengeStage(self.session.policy("policy").backend, candidates=self.c.candidates,
                                        params=self.session.params(ctx.seed, logprobs=True),
@@ -201,7 +201,7 @@ class Wist(Recipe):
 
     def update_posterior(self, ctx: StepContext, records: list[dict]) -> list[dict]:
         """Each path's reward g from its QAs' variances, into the tree's posteriors (Eq. 8-10)."""
-        from sptool.tree import PosteriorUpdateStage
+        from sptool.stages.tree import PosteriorUpdateStage
 
         tree = copy.deepcopy(self.tree)
         c = self.c
@@ -218,7 +218,7 @@ def _networks(c) -> list[str]:
 
 def check_endpoints(c) -> None:
     """``wist.wiki_url`` and ``wist.search_url`` checked before any work (no metadata service)."""
-    from sptool.corpus.policy import check_endpoint
+    from sptool.stages.corpus.policy import check_endpoint
 
     for key in ("wiki_url", "search_url"):
         url = getattr(c, key) or (c.search.partition(":")[2] if key == "search_url" and

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from sptool.limits import DTYPES, _backends, _objectives, device_error
+from sptool.settings.limits import DTYPES, _backends, _objectives, device_error
 from sptool.settings import setting
 
 
@@ -102,7 +102,7 @@ class VerifyConfig:
                                   "extraction too)")
 
 
-PRESET_CHOICES = ("", "gsm8k", "math", "aime", "numina")  # sptool.problemsets.PRESETS, kept light here
+PRESET_CHOICES = ("", "gsm8k", "math", "aime", "numina")  # sptool.stages.problemsets.PRESETS, kept light here
 
 
 @dataclass

@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from sptool import faults
-from sptool.records import RuntimeFailure
+from sptool.core import faults
+from sptool.core.records import RuntimeFailure
 from sptool.run import watch
 from sptool.run.metrics import step_metrics
 from sptool.run.run_dir import MANIFEST, StepKey  # noqa: F401 - MANIFEST is part of the API

@@ -66,8 +66,8 @@ def group_signal_share(groups: Iterable[dict], eps: float = 1e-12) -> float | No
 
 def duplicate_shares(questions: list[str], earlier=None) -> tuple[float | None, float | None]:
     """(share near-duplicating an earlier question of this list, share near-duplicating a
-    question of ``earlier``, a :class:`~sptool.decontaminate.TextIndex` or None)."""
-    from sptool.decontaminate import TextIndex
+    question of ``earlier``, a :class:`~sptool.stages.decontaminate.TextIndex` or None)."""
+    from sptool.stages.decontaminate import TextIndex
 
     questions = [q for q in questions if isinstance(q, str) and q.strip()]
     if not questions:

@@ -10,7 +10,7 @@ Layout::
     NAME.json               the latest saved document of each name
     ckpt/ROLE/step-N/       checkpoints
 
-Every file is written through :mod:`sptool.jsonl`'s atomic writers (temp file + rename), so a
+Every file is written through :mod:`sptool.core.jsonl`'s atomic writers (temp file + rename), so a
 killed run leaves only ``.part`` temp files, removed when it resumes.
 """
 
@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from sptool.jsonl import AtomicJsonlWriter, write_json_atomic
-from sptool.records import InputError, RuntimeFailure, UsageError
+from sptool.core.jsonl import AtomicJsonlWriter, write_json_atomic
+from sptool.core.records import InputError, RuntimeFailure, UsageError
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
@@ -75,7 +75,7 @@ def file_sha256(path: Path) -> str:
 
 def read_jsonl(path: Path) -> list[dict]:
     """A run file's records; a corrupt line is one error naming ``path:line`` (exit 1)."""
-    from sptool.jsonl import decode_json, iter_lines
+    from sptool.core.jsonl import decode_json, iter_lines
 
     records = []
     try:
@@ -176,7 +176,7 @@ class RunDir:
     def _open(self, config: dict, defaults: dict) -> None:
         recipe = config["recipe"]
         try:
-            from sptool.jsonl import loads_strict
+            from sptool.core.jsonl import loads_strict
 
             self.manifest = loads_strict((self.path / MANIFEST).read_text(encoding="utf-8"))
             if not isinstance(self.manifest, dict) or not isinstance(self.manifest.get("stages"), dict) \

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sptool.problemsets import read_labelled_problems  # noqa: F401 - its home was here
-from sptool.records import UsageError, content_id
+from sptool.stages.problemsets import read_labelled_problems  # noqa: F401 - its home was here
+from sptool.core.records import UsageError, content_id
 from sptool.run.checkpoints import CheckpointWriter, is_complete, replay_plan
 from sptool.run.run_dir import RunDir, read_jsonl
 from sptool.run.steps import StepContext, StepFunction
@@ -108,7 +108,7 @@ class Policy:
         update = getattr(self._backend, "update_weights", None)
         if update is None:
             return None
-        from sptool.records import RuntimeFailure
+        from sptool.core.records import RuntimeFailure
 
         try:
             how = update(checkpoint)
@@ -271,7 +271,7 @@ class Session(Training):
         return self._judge
 
     def verifier(self, pseudo_label: bool):
-        from sptool.verify import VerifyStage
+        from sptool.stages.verify import VerifyStage
 
         if self._verifier is None:
             v = self.settings.verify
@@ -301,7 +301,7 @@ class Session(Training):
         if self._eval_sets is None:
             self._eval_sets = []
             for path in [p.strip() for p in self.settings.eval.benchmarks.split(",") if p.strip()]:
-                from sptool.problemsets import Mapping, source_name
+                from sptool.stages.problemsets import Mapping, source_name
 
                 problems = read_labelled_problems(path, "a held-out benchmark", Mapping(self.settings.eval.preset))
                 name = source_name(path)
@@ -335,7 +335,7 @@ class Session(Training):
                       role: str = "solver", *, trained: bool = False, top_p: float | None = None,
                       seed: int | None = None) -> list[dict]:
         """:meth:`solve` over ``records`` now (``seed``: instead of the step's)."""
-        from sptool.solve import SolveStage
+        from sptool.stages.solve import SolveStage
 
         params = self.params(ctx.seed if seed is None else seed, logprobs=trained, top_p=top_p)
         stage = SolveStage(self.policy(role).backend, samples=samples, mode=mode, params=params,
@@ -352,7 +352,7 @@ class Session(Training):
     def evaluate(self, after_iteration: int) -> StepFunction:
         """Greedy accuracy, mean@k and pass@k of the current solver weights on each benchmark."""
         def evaluate(ctx: StepContext, records: list[dict]) -> list[dict]:
-            from sptool.evaluate import evaluate_benchmark
+            from sptool.stages.evaluate import evaluate_benchmark
 
             e = self.settings.eval
             backend = self.policy("solver").backend

@@ -16,10 +16,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from sptool import faults
-from sptool.jsonl import dumps
-from sptool.records import content_id
-from sptool.stage import Stage, StageStats
+from sptool.core import faults
+from sptool.core.jsonl import dumps
+from sptool.core.records import content_id
+from sptool.core.stage import Stage, StageStats
 
 StepFunction = Callable[["StepContext", list[dict]], list[dict]]
 Predicate = Callable[[dict], bool]

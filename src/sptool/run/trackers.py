@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from sptool.records import UsageError
-from sptool.registry import closest
+from sptool.core.records import UsageError
+from sptool.core.registry import closest
 from sptool.run.run_dir import StepKey
 
 TRACKERS = ("tensorboard", "trackio", "wandb")

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from sptool import faults
+from sptool.core import faults
 from sptool.run.checkpoints import RELOADING_BACKENDS, checkpoint_due, is_complete, snapshot
 from sptool.run.steps import StepContext, StepFunction
 

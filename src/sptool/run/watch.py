@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sptool.records import SptoolError, content_id
+from sptool.core.records import SptoolError, content_id
 from sptool.run.steps import Step, StepContext
 
 if TYPE_CHECKING:
@@ -43,9 +43,9 @@ def decontamination_index(settings: "Sections"):
     paths = benchmark_paths(settings)
     if not paths:
         return None
-    from sptool.decontaminate import load_index
+    from sptool.stages.decontaminate import load_index
 
-    from sptool.problemsets import Mapping
+    from sptool.stages.problemsets import Mapping
 
     d = settings.decontaminate
     return load_index(paths, ngram=d.ngram, threshold=d.minhash_threshold or None,
@@ -60,7 +60,7 @@ def screen(settings: "Sections", ctx: StepContext, kind: str, records: list[dict
     index = decontamination_index(settings)
     if index is None:
         return records, 0
-    from sptool.decontaminate import DecontaminateStage
+    from sptool.stages.decontaminate import DecontaminateStage
 
     stage = DecontaminateStage(index, mark_invalid=True)
     stage.on_drop = lambda record, reason: ctx.rejects.append({**record, "reject_reason": reason})
@@ -74,7 +74,7 @@ def probe_problems(settings: "Sections") -> list[dict]:
     path = settings.health.probe
     if not path:
         return []
-    from sptool.problemsets import read_labelled_problems
+    from sptool.stages.problemsets import read_labelled_problems
 
     return read_labelled_problems(path, "the health probe (health.probe)")
 
@@ -88,7 +88,7 @@ def probe_steps(session: "Session", samples: int) -> list[Step]:
 
     def grade_majority(ctx: StepContext, records: list[dict]) -> list[dict]:
         """Each voted probe question's majority answer, graded against its reference."""
-        from sptool.verify import answers_equivalent
+        from sptool.stages.verify import answers_equivalent
 
         out = []
         for record in records:
@@ -149,11 +149,11 @@ def health_step(session: "Session", steps: list[Step]) -> Step:
 
 
 def earlier_questions(session: "Session", iteration: int):
-    """A :class:`~sptool.decontaminate.TextIndex` of the valid questions generated before
+    """A :class:`~sptool.stages.decontaminate.TextIndex` of the valid questions generated before
     ``iteration`` (read from the run directory), or None in the first iteration."""
     if iteration <= 1:
         return None
-    from sptool.decontaminate import TextIndex
+    from sptool.stages.decontaminate import TextIndex
     from sptool.run.run_dir import StepKey, read_jsonl
 
     index = TextIndex()

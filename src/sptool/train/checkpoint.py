@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from sptool.records import RuntimeFailure, UsageError
-from sptool.faults import crash_during_save as _maybe_crash  # test-only fault point
+from sptool.core.records import RuntimeFailure, UsageError
+from sptool.core.faults import crash_during_save as _maybe_crash  # test-only fault point
 
 STATE_DIR = "sptool_state"
 STATE_FILE = "state.json"
@@ -49,7 +49,7 @@ def read_state(path: str | os.PathLike) -> dict | None:
     if not file.is_file():
         return None
     try:
-        from sptool.jsonl import loads_strict
+        from sptool.core.jsonl import loads_strict
 
         return loads_strict(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:  # ValueError: bad JSON, UTF-8, a refused value

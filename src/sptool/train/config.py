@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from sptool.records import UsageError
+from sptool.core.records import UsageError
 from sptool.train.losses import OBJECTIVES
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterable
 
-from sptool.records import Field, InputError, RecordKind, describe
+from sptool.core.records import Field, InputError, RecordKind, describe
 
 
 def _check_prompt(value: Any) -> str | None:

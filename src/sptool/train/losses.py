@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from sptool import rewards as rewards_lib
-from sptool.registry import Registry
+from sptool.core.registry import Registry
 from sptool.rewards import GRPO_EPSILON
 
 

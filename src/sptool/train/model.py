@@ -8,7 +8,7 @@ import os
 from dataclasses import asdict
 from typing import Callable, Sequence
 
-from sptool.records import RuntimeFailure
+from sptool.core.records import RuntimeFailure
 from sptool.train import checkpoint as ckpt
 from sptool.train.losses import selected_logprobs
 from sptool.train.config import TrainSequence, plan_micro_batches

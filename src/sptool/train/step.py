@@ -24,7 +24,7 @@ import math
 import time
 from typing import Callable, Sequence
 
-from sptool.records import InputError, RuntimeFailure, UsageError
+from sptool.core.records import InputError, RuntimeFailure, UsageError
 from sptool.train.losses import (group_advantages, objective_loss, selected_logprobs, sequence_token_weights,
                                  token_entropy)
 from sptool.train.group import (  # noqa: F401 - re-exported: sptool.train.step's API

@@ -1,0 +1,174 @@
+"""Title-search backends for validating new tree nodes (WIST §3.2, eq. 9).
+
+A title backend answers ``search(query, limit) -> list[str]``: the titles of encyclopedia
+articles that a search for ``query`` returns. The tree expander computes
+``s_max = max_w sim_str(label, w)`` over those titles and accepts a non-leaf node when
+``s_max >= tau_wiki``.
+
+Two backends:
+
+- :class:`WikipediaTitles`: MediaWiki's public search API (``action=query&list=search``, or
+  ``action=opensearch``) through :class:`sptool.net.http.HttpClient` (total time budget; redirects
+  away from the endpoint checked by the address policy before connecting). The
+  endpoint is configurable (``--wiki-url``), so a mirror or a local test server can stand in.
+- :class:`LocalTitles`: an offline list of titles (a text file, one title per line, ``#``
+  comments) or a folder (every file name, ``Group_theory.txt`` → "Group theory"). Search ranks
+  the titles by token-set similarity to the query, like a search engine would.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from pathlib import Path
+from typing import Protocol
+
+from sptool.core.records import InputError, RuntimeFailure, UsageError
+
+DEFAULT_WIKI_URL = "https://en.wikipedia.org/w/api.php"
+USER_AGENT = "sptool/0.1 (self-play RLVR toolkit; title validation)"
+
+
+class TitleBackend(Protocol):
+    """What a title-search backend provides."""
+
+    name: str
+
+    def search(self, query: str, limit: int = 10) -> list[str]:
+        """Titles returned for ``query`` (best first, at most ``limit``)."""
+        ...
+
+
+class WikipediaTitles:
+    """MediaWiki search API: ``list=search`` (default) or ``opensearch``, JSON over HTTP(S)."""
+
+    name = "wikipedia"
+
+    def __init__(self, url: str = DEFAULT_WIKI_URL, *, api: str = "search", timeout_s: float = 10.0,
+                 retries: int = 1, allow_private: bool = False, allow_networks=()):
+        if api not in ("search", "opensearch"):
+            raise UsageError(f"unknown Wikipedia API '{api}'; choose from search, opensearch")
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise UsageError(f"--wiki-url must be an http(s) URL of a MediaWiki api.php, got '{url}'")
+        self.url = url
+        self.api = api
+        self.timeout_s = timeout_s
+        self.retries = max(0, retries)
+        self.requests = 0
+        from sptool.stages.corpus.policy import network_policy
+        from sptool.net.http import HttpClient
+
+        # The configured endpoint is trusted at its own origin; a redirect elsewhere is checked
+        # (loopback, private, metadata refused unless allow_private) before any connection, and
+        # each search has a total time budget of timeout_s (retries included).
+        self.client = HttpClient(network_policy(allow_private=allow_private, allow_networks=allow_networks),
+                                 timeout=timeout_s, retries=self.retries, backoff=0.2,
+                                 max_bytes=2_000_000, user_agent=USER_AGENT, trusted=[url],
+                                 total_s=timeout_s)
+
+    def request_url(self, query: str, limit: int) -> str:
+        if self.api == "search":
+            params = {"action": "query", "list": "search", "srsearch": query,
+                      "srlimit": str(limit), "srprop": "", "format": "json"}
+        else:
+            params = {"action": "opensearch", "search": query, "limit": str(limit),
+                      "namespace": "0", "format": "json"}
+        separator = "&" if urllib.parse.urlparse(self.url).query else "?"
+        return self.url + separator + urllib.parse.urlencode(params)
+
+    def search(self, query: str, limit: int = 10) -> list[str]:
+        from sptool.net.http import HttpError
+
+        url = self.request_url(query, limit)
+        try:
+            response = self.client.request(url, accept="application/json")
+        except HttpError as error:
+            self.requests += error.response.attempts if error.response is not None else 1
+            raise RuntimeFailure(f"title search at {self.url} failed: {error.category}: {error.detail} "
+                                 "(no network? pass --titles FILE, one title a line, to validate new "
+                                 "nodes offline)") from None
+        self.requests += response.attempts
+        body = response.body
+        return parse_search_response(body, self.api, source=self.url)[:limit]
+
+
+def parse_search_response(body: bytes, api: str, *, source: str) -> list[str]:
+    """Titles from a MediaWiki ``list=search`` or ``opensearch`` JSON response."""
+    try:
+        from sptool.core.jsonl import loads_strict
+
+        data = loads_strict(body.decode("utf-8"))
+    except ValueError:  # not UTF-8, not JSON, or a refused value
+        raise RuntimeFailure(f"title search at {source} did not return JSON") from None
+    if isinstance(data, dict) and "error" in data:
+        info = data["error"].get("info") if isinstance(data["error"], dict) else data["error"]
+        raise RuntimeFailure(f"title search at {source} returned an error: {info}")
+    if api == "search":
+        try:
+            hits = data["query"]["search"]
+            return [hit["title"] for hit in hits if isinstance(hit.get("title"), str)]
+        except (KeyError, TypeError, AttributeError):
+            raise RuntimeFailure(f"title search at {source}: expected "
+                                 "{'query': {'search': [{'title': ...}]}}") from None
+    if isinstance(data, list) and len(data) >= 2 and isinstance(data[1], list):
+        return [title for title in data[1] if isinstance(title, str)]
+    raise RuntimeFailure(f"title search at {source}: expected an opensearch array [query, [titles], …]")
+
+
+class LocalTitles:
+    """Offline titles: a text file (one per line) or a folder (file names are titles)."""
+
+    name = "local"
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self.titles = load_titles(self.path)
+
+    def search(self, query: str, limit: int = 10) -> list[str]:
+        from rapidfuzz import fuzz, process, utils
+
+        hits = process.extract(query, self.titles, scorer=fuzz.token_set_ratio,
+                               processor=utils.default_process, limit=limit, score_cutoff=1)
+        return [title for title, _score, _index in hits]
+
+
+def load_titles(path: str) -> list[str]:
+    """Titles from a file (one a line, ``#`` comments) or a folder (file stems, ``_`` → space)."""
+    target = Path(path)
+    if not target.exists():
+        raise InputError("no such titles file or folder", source=path)
+    titles: list[str] = []
+    if target.is_dir():
+        for item in sorted(target.rglob("*")):
+            if item.is_file() and not item.name.startswith("."):
+                titles.append(item.stem.replace("_", " "))
+    else:
+        try:
+            text = target.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise InputError("not valid UTF-8 text, expected one title per line", source=path) from None
+        for line in text.splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                titles.append(line)
+    if not titles:
+        raise InputError("contains no titles", source=path)
+    return list(dict.fromkeys(titles))
+
+
+def load_title_backend(titles: str | None = None, wiki_url: str | None = None, *,
+                       api: str = "search", timeout_s: float = 10.0, allow_private: bool = False,
+                       allow_networks=(), setting: str = "--wiki-url",
+                       allow_hint: str = "--allow-network CIDR") -> TitleBackend:
+    """``--titles PATH`` → offline list; otherwise Wikipedia at ``wiki_url`` (default: en.wikipedia)."""
+    if titles and wiki_url:
+        raise UsageError("give either --titles (offline) or --wiki-url (Wikipedia), not both")
+    if titles:
+        return LocalTitles(titles)
+    if wiki_url:
+        from sptool.stages.corpus.policy import check_endpoint
+
+        check_endpoint(wiki_url, setting=setting, allow_networks=allow_networks, allow_hint=allow_hint)
+    return WikipediaTitles(wiki_url or DEFAULT_WIKI_URL, api=api, timeout_s=timeout_s,
+                           allow_private=allow_private, allow_networks=allow_networks)

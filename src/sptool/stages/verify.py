@@ -1,0 +1,420 @@
+"""Answer extraction, equivalence (math-verify) and majority vote, in killable worker processes.
+
+For each solved question with samples ``y_1..y_K``:
+
+- the final answer of each sample is the content of its last ``\\boxed{…}``; ``INVALID`` there
+  (R-Quest's validity mode) counts towards ``invalid_frac`` u = #INVALID / K;
+- a sample without a boxed answer falls back to math-verify's own extraction from the whole text
+  ("The final answer is $6$.", "Answer: \\( \\frac{1}{2} \\)", a last number …), so grading is at
+  least as lenient as math-verify; such a sample has ``boxed: false`` (the format term of the
+  rewards still asks for ``\\boxed{}``), and ``require_boxed`` turns the fallback off;
+- correctness uses math-verify with the gold answer first (``verify(gold, pred)``; it is not
+  symmetric);
+- answers are grouped into equivalence classes by math-verify (not string equality); the
+  largest class is the ``majority`` and ``majority_frac`` s = |class| / K (R-Zero's p, R-Quest's s);
+- with no reference answer (pseudo-label mode) a sample is correct when it is in the majority
+  class;
+- a reasoning-gym record whose task is not mathematical (``grader: "reasoning-gym"``, from
+  ``sptool data gym``) is graded by the task's own scorer instead (answers grouped by equal text);
+- p̂ = mean correctness, Var = p̂ (1 − p̂) (WIST's learnability signal).
+
+Model text is only ever parsed (latex2sympy), never evaluated as code.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, Iterator, NamedTuple
+
+from sptool.core.records import SOLVED, answer_text
+from sptool.rewards import empirical_accuracy, empirical_variance
+from sptool.core.stage import Stage
+from sptool.core.workers import DeadlinePool, TaskFailed, TaskTimeout
+
+INVALID = "INVALID"
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACES = re.compile(r"[{}]")
+
+
+def _closed_boxes(text: str) -> list[tuple[int, int, int]]:
+    """Every ``\\boxed{…}`` whose braces close: (start of ``\\boxed``, start of content, position
+    of the closing brace), in order of appearance.
+
+    One pass over the braces (linear time): a text of thousands of nested or unclosed
+    ``\\boxed{`` cannot stall the caller (the parent process extracts too, outside any deadline).
+    """
+    matches = list(_BOXED.finditer(text))
+    if not matches:
+        return []
+    openings = {match.end() - 1 for match in matches}
+    closing: dict[int, int] = {}
+    stack: list[int] = []
+    for brace in _BRACES.finditer(text):
+        position = brace.start()
+        if text[position] == "{":
+            stack.append(position)
+        elif stack:
+            opened = stack.pop()
+            if opened in openings:
+                closing[opened] = position
+    return [(match.start(), match.end(), closing[match.end() - 1]) for match in matches
+            if match.end() - 1 in closing]
+
+
+def last_boxed(text: str, closed: list[tuple[int, int, int]] | None = None) -> str | None:
+    """Content of the last ``\\boxed{…}`` in ``text`` (balanced braces), or None."""
+    boxes = _closed_boxes(text) if closed is None else closed
+    if not boxes:
+        return None
+    _, start, end = boxes[-1]
+    return text[start:end].strip() or None
+
+
+def _boxes(text: str, closed: list[tuple[int, int, int]] | None = None) -> list[tuple[int, int, str]]:
+    """The outermost ``\\boxed{…}`` of ``text``: (start, end, stripped content), in order."""
+    boxes: list[tuple[int, int, str]] = []
+    for box_start, start, end in (_closed_boxes(text) if closed is None else closed):
+        if boxes and box_start < boxes[-1][1]:
+            continue  # nested in the previous box
+        boxes.append((box_start, end + 1, text[start:end].strip()))
+    return boxes
+
+
+# What may stand between boxed answers that together are one answer ("\boxed{-2} and \boxed{1}").
+_BOX_JOINER = re.compile(r"(?:\s|[,;~]|\$|\\[,;:!]|\\q?quad|\\text\{\s*(?:and|or)\s*\}|\band\b|\bor\b"
+                         r"|\\[\[\]()])*")
+# A final-answer statement after the last box outranks it, as in math-verify's own extraction.
+_FINAL_ANSWER_AFTER = re.compile(r"final answer\W{0,3}\s*(?:the final answer\s*)?is\b", re.IGNORECASE)
+
+
+def _final_boxed(text: str) -> tuple[str | None, int]:
+    """The last boxed answer (adjacent boxes joined as a list) and where it ends in ``text``."""
+    closed = _closed_boxes(text)
+    boxes = _boxes(text, closed)
+    if not boxes:
+        return None, len(text)
+    group = [boxes[-1]]
+    for box in reversed(boxes[:-1]):
+        if not _BOX_JOINER.fullmatch(text, box[1], group[0][0]):
+            break
+        group.insert(0, box)
+    contents = list(dict.fromkeys(content for _, _, content in group if content))
+    if len(contents) <= 1:
+        return last_boxed(text, closed), boxes[-1][1]
+    return ", ".join(contents), boxes[-1][1]
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The sample's final answer: the last boxed content (boxes side by side, as in
+    "\\boxed{-2} and \\boxed{1}", joined into one list); ``INVALID`` normalised."""
+    return _invalid_normalised(_final_boxed(text)[0])
+
+
+def _invalid_normalised(answer: str | None) -> str | None:
+    if answer is not None and re.fullmatch(r"(\\text\{)?\s*invalid\s*\}?", answer, flags=re.IGNORECASE):
+        return INVALID
+    return answer
+
+
+# ---------------------------------------------------------------- worker side (pure functions)
+
+class FinalAnswer(NamedTuple):
+    """One sample's final answer as graded.
+
+    ``text`` is what the record stores as the sample's ``answer``; ``boxed`` says whether it came
+    from ``\\boxed{}`` (else from math-verify's extraction); ``key`` identifies it in the
+    equivalence cache; ``parsed`` is math-verify's parse when extraction already made it.
+    """
+
+    text: str
+    boxed: bool
+    key: tuple
+    parsed: Any = None
+
+
+def boxed_answer(text: str) -> FinalAnswer:
+    """A boxed (or reference) answer string, parsed lazily."""
+    return FinalAnswer(text, True, ("boxed", text))
+
+
+@functools.lru_cache(maxsize=65536)
+def parse_answer(answer: str):
+    """math-verify's parse of a final answer (cached; runs inside a worker process)."""
+    from math_verify import parse
+
+    parsed = parse("\\boxed{" + answer + "}", parsing_timeout=5)
+    if not parsed:
+        parsed = parse(answer, parsing_timeout=5)
+    return parsed
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_completion(text: str):
+    """math-verify's own extraction from a whole completion (its default LaTeX and expression
+    targets: "final answer is", the last ``$…$``, ``\\[…\\]``, a last number …)."""
+    from math_verify import parse
+
+    return parse(text, parsing_timeout=5)
+
+
+def final_answer(text: str, *, require_boxed: bool = False) -> FinalAnswer | None:
+    """The sample's final answer: its last ``\\boxed{}`` (``INVALID`` normalised), else, unless
+    ``require_boxed``, what math-verify's extraction finds in the text; None when neither.
+
+    Unless ``require_boxed``, a "final answer is …" statement after the last box outranks the
+    box (models that box intermediate results, then state the answer), as in math-verify."""
+    answer, end = _final_boxed(text)
+    answer = _invalid_normalised(answer)
+    if require_boxed:
+        return None if answer is None else boxed_answer(answer)
+    if answer is not None:
+        tail = text[end:]
+        if not _FINAL_ANSWER_AFTER.search(tail):
+            return boxed_answer(answer)
+        text = tail  # "… \\boxed{200} … The final answer is $10,455$.": the statement wins
+    parsed = parse_completion(text)
+    if not parsed:
+        return None if answer is None else boxed_answer(answer)
+    shown = str(parsed[-1]).strip() or str(parsed[0])
+    stated = FinalAnswer(shown, False, ("extracted", shown, str(parsed[0])), parsed)
+    if answer is not None and answer != INVALID and equivalent(boxed_answer(answer), stated):
+        return boxed_answer(answer)  # "\\boxed{5}. So the final answer is 5.": boxed all the same
+    return stated
+
+
+# A final answer that is plain arithmetic on numbers (two or more numbers joined by +, −, ×, ÷, *,
+# nothing else: no variable, power, root or fraction) has not been evaluated: "\\boxed{47+38}" for
+# "What is 47 + 38?" restates the question. math-verify simplifies it to 85 and calls it correct, so
+# an RL policy learns to copy the question into the box (measured on two-digit sums: sampled
+# "accuracy" 0.99 after 14 steps, 0.00 held-out under a grader that wants the number). Such an
+# answer is wrong, and casts no vote. "47 + 38 = 85" is fine: the part after the last "=" counts.
+_NUMBER = r"\(?[-+−]?\d[\d,]*(?:\.\d+)?\)?"
+_OPERATOR = r"(?:[-+*×÷−]|\\times|\\cdot|\\div|\\ast)"
+_UNEVALUATED = re.compile(rf"{_NUMBER}(?:{_OPERATOR}{_NUMBER})+")
+_UNEVALUATED_MAX_CHARS = 256  # longer answers go to math-verify (and its deadline) as before
+
+
+def unevaluated_arithmetic(answer: str) -> bool:
+    """Is ``answer`` (after its last "=") arithmetic on numbers left unevaluated ("47 + 38")?"""
+    final = answer.rsplit("=", 1)[-1]
+    if len(final) > _UNEVALUATED_MAX_CHARS:
+        return False
+    final = re.sub(r"\s+|\$|\\[,!;]", "", final)
+    return bool(_UNEVALUATED.fullmatch(final))
+
+
+_EQUIVALENT: dict[tuple, bool] = {}
+_EQUIVALENT_MAX = 262144
+
+
+def equivalent(gold: FinalAnswer, predicted: FinalAnswer) -> bool:
+    """math-verify equivalence, gold first (cached on the pair of answer keys)."""
+    if gold.key == predicted.key:
+        return True
+    pair = (gold.key, predicted.key)
+    verdict = _EQUIVALENT.get(pair)
+    if verdict is None:
+        from math_verify import verify
+
+        gold_parsed = gold.parsed if gold.parsed is not None else parse_answer(gold.text)
+        predicted_parsed = predicted.parsed if predicted.parsed is not None else parse_answer(predicted.text)
+        verdict = bool(gold_parsed and predicted_parsed
+                       and verify(gold_parsed, predicted_parsed, timeout_seconds=5))
+        if len(_EQUIVALENT) >= _EQUIVALENT_MAX:
+            _EQUIVALENT.clear()
+        _EQUIVALENT[pair] = verdict
+    return verdict
+
+
+def answers_equivalent(gold: str, predicted: str) -> bool:
+    """math-verify equivalence of two answer strings, gold first (cached)."""
+    return equivalent(boxed_answer(gold), boxed_answer(predicted))
+
+
+def majority_classes(answers: list) -> list[list[int]]:
+    """Equivalence classes (indices into ``answers``) of the non-empty, non-INVALID answers
+    (strings or :class:`FinalAnswer`).
+
+    Each answer joins the first class whose representative it is equivalent to (checked both
+    ways, since math-verify is not symmetric); classes are returned largest first, ties by first
+    occurrence.
+    """
+    items = [boxed_answer(a) if isinstance(a, str) else a for a in answers]
+    classes: list[list[int]] = []
+    for index, answer in enumerate(items):
+        if answer is None or answer.text == INVALID:
+            continue
+        for members in classes:
+            representative = items[members[0]]
+            if equivalent(representative, answer) or equivalent(answer, representative):
+                members.append(index)
+                break
+        else:
+            classes.append([index])
+    return sorted(classes, key=lambda members: (-len(members), members[0]))
+
+
+def warm_up() -> None:
+    """Import math-verify (and sympy) and exercise it once, before any deadline starts."""
+    answers_equivalent("1", "1.0")
+    parse_completion("The final answer is $1$.")
+
+
+def _task_scorer_answers(texts: list[str], scorer: dict, require_boxed: bool):
+    """Answers, boxed flags, classes and a correctness test for a task graded by its own scorer
+    (reasoning-gym): the answer is the boxed text (else an answer tag or stated answer), classes
+    are equal answers up to case and spacing, correct means the task's score is 1."""
+    from sptool.gym import normalised_plain, plain_answer, task_score
+
+    answers: list[str | None] = []
+    boxed: list[bool] = []
+    for text in texts:
+        box = extract_final_answer(text)
+        answers.append(INVALID if box == INVALID else plain_answer(text, box, require_boxed=require_boxed))
+        boxed.append(box is not None)
+    by_key: dict[str, list[int]] = {}
+    for index, answer in enumerate(answers):
+        if answer is not None and answer != INVALID:
+            by_key.setdefault(normalised_plain(answer), []).append(index)
+    classes = sorted(by_key.values(), key=lambda members: (-len(members), members[0]))
+
+    def is_correct(index: int) -> bool:
+        answer = answers[index]
+        return answer is not None and answer != INVALID and task_score(
+            scorer["task"], scorer.get("config") or {}, scorer["entry"], answer) >= 1.0
+
+    return answers, boxed, classes, is_correct
+
+
+def grade(task: dict) -> dict:
+    """Grade one solved question: ``{"texts": [...], "gold": str|None, "require_boxed": bool}``
+    → verdict fields."""
+    texts: list[str] = task["texts"]
+    gold: str | None = task["gold"]
+    k = len(texts)
+    require_boxed = task.get("require_boxed", False)
+    if task.get("scorer"):  # a reasoning-gym task that is not graded by math-verify
+        answers, boxed, classes, is_correct = _task_scorer_answers(texts, task["scorer"], require_boxed)
+    else:
+        finals = [final_answer(text, require_boxed=require_boxed) for text in texts]
+        answers = [final.text if final else None for final in finals]
+        boxed = [bool(final and final.boxed) for final in finals]
+        settled = [None if final is None or unevaluated_arithmetic(final.text) else final for final in finals]
+        classes = majority_classes(settled)
+        reference = boxed_answer(gold) if gold is not None else None
+
+        def is_correct(index: int) -> bool:
+            final = settled[index]
+            return final is not None and final.text != INVALID and equivalent(reference, final)
+
+    majority_members = set(classes[0]) if classes else set()
+    majority = answers[classes[0][0]] if classes else None
+    if gold is not None:
+        correct = [is_correct(index) for index in range(k)]
+        label_source = "reference"
+    else:
+        correct = [index in majority_members for index in range(k)]
+        label_source = "majority"
+    p_hat = empirical_accuracy(correct)
+    return {
+        "answers": answers,
+        "boxed": boxed,
+        "correct": correct,
+        "p_hat": p_hat,
+        "var": empirical_variance(p_hat),
+        "majority": majority,
+        "majority_frac": len(majority_members) / k if k else 0.0,
+        "invalid_frac": sum(a == INVALID for a in answers) / k if k else 0.0,
+        "n_classes": len(classes),
+        "label_source": label_source,
+    }
+
+
+# ---------------------------------------------------------------- the stage
+
+SUMMARY_FIELDS = ("p_hat", "var", "majority", "majority_frac", "invalid_frac", "n_classes",
+                  "label_source")
+
+class VerifyStage(Stage):
+    """Adds per-sample ``answer``/``boxed``/``correct`` and ``p_hat``, ``var``, ``majority``,
+    ``majority_frac``, ``invalid_frac`` to each solved question.
+
+    ``require_boxed``: only ``\\boxed{}`` answers count (no fallback to math-verify's extraction).
+
+    A question whose grading overruns ``deadline_s`` is emitted with ``verify_error`` (and null
+    statistics) instead of hanging the stage.
+    """
+
+    name = "verify"
+    input_kind = SOLVED
+
+    def __init__(self, *, workers: int = 2, deadline_s: float = 30.0, pseudo_label: bool = False,
+                 require_boxed: bool = False):
+        super().__init__()
+        self.pool = DeadlinePool(grade, workers=workers, deadline_s=deadline_s, warmup=warm_up)
+        self.pseudo_label = pseudo_label
+        self.require_boxed = require_boxed
+
+    def _task(self, record: dict) -> dict:
+        gold = None if self.pseudo_label else answer_text(record.get("answer"))
+        task = {"texts": [sample["text"] for sample in record["samples"]], "gold": gold,
+                "require_boxed": self.require_boxed}
+        if record.get("grader") == "reasoning-gym" and isinstance(record.get("task"), str):
+            gym = record.get("gym") if isinstance(record.get("gym"), dict) else {}
+            task["scorer"] = {"task": record["task"], "config": gym.get("config") or {},
+                              "entry": {"question": record["question"], "answer": record.get("answer"),
+                                        "metadata": record.get("metadata") or {}}}
+        return task
+
+    def process(self, records: Iterator[dict]) -> Iterator[dict]:
+        buffered: list[dict] = []
+
+        def tasks():
+            for record in records:
+                buffered.append(record)
+                yield self._task(record) if record["samples"] else None
+
+        for result in self.pool.map(tasks()):
+            record = buffered.pop(0)
+            if not record["samples"]:
+                self.stats.notes["without samples, passed through"] += 1
+                yield record
+                continue
+            yield self.merge(record, result)
+
+    def merge(self, record: dict, result: Any) -> dict:
+        if isinstance(result, (TaskTimeout, TaskFailed)):
+            self.stats.notes["verify_error"] += 1
+            record.update({key: None for key in SUMMARY_FIELDS}, verify_error=str(result))
+            for sample in record["samples"]:
+                sample.setdefault("answer", extract_final_answer(sample["text"]))
+                sample["boxed"] = last_boxed(sample["text"]) is not None
+                sample["correct"] = None
+            self._keep_by_mode(record)
+            return record
+        for sample, answer, boxed, correct in zip(record["samples"], result["answers"], result["boxed"],
+                                                  result["correct"]):
+            sample["answer"] = answer
+            sample["boxed"] = boxed
+            sample["correct"] = correct
+            if answer is not None and not boxed:
+                self.stats.notes["answers found without \\boxed{} (math-verify extraction)"] += 1
+        for key in SUMMARY_FIELDS:
+            record[key] = result[key]
+        record["verify_error"] = None
+        self._keep_by_mode(record)
+        return record
+
+    @staticmethod
+    def _keep_by_mode(record: dict) -> None:
+        """Also keep the summary under ``verdicts[mode]``, so that a second solve+verify pass in
+        another mode (R-Quest: validity, then math) does not erase the first pass's u or s."""
+        mode = record.get("mode") or "math"
+        verdicts = record.get("verdicts") if isinstance(record.get("verdicts"), dict) else {}
+        verdicts[mode] = {key: record.get(key) for key in SUMMARY_FIELDS + ("verify_error",)}
+        verdicts[mode]["k"] = len(record["samples"])
+        record["verdicts"] = verdicts
+
+    def close(self) -> None:
+        self.pool.close()
