@@ -50,7 +50,8 @@ def save_to_disk(path: Path, rows: list[dict], split: str | None = None) -> Path
 
 
 def read(spec, preset="", question_field="", answer_field="", **options):
-    from sptool.stages.problemsets import Mapping, read_problems
+    from sptool.stages.problemsets import read_problems
+    from sptool.stages.problemsets.columns import Mapping
 
     return read_problems(str(spec), mapping=Mapping(preset, question_field, answer_field), **options)
 
@@ -219,7 +220,7 @@ def check_export(run_dir: Path, tmp_path: Path, data: str, *, curve: bool) -> Pa
     from transformers import AutoModelForCausalLM
 
     from sptool import __version__
-    from sptool.stages.problemsets import source_sha256
+    from sptool.stages.problemsets.sources import source_sha256
 
     out = tmp_path / "exported"
     result = run_sptool("export", str(run_dir), "--output", str(out))

@@ -143,7 +143,7 @@ def _base_model(config: dict, state: dict, role: str) -> str:
 
 def data_sources(config: dict) -> list[tuple[str, str, str]]:
     """(what, source, sha256 or a note) of every problem set the run's settings name."""
-    from sptool.stages.problemsets import source_sha256
+    from sptool.stages.problemsets.sources import source_sha256
 
     recipe = config.get("recipe", "")
     named: list[tuple[str, str]] = []

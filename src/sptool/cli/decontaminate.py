@@ -45,7 +45,7 @@ def decontaminate(
     minhash), the matched span and the similarity.
     """
     from sptool.stages.decontaminate import DecontaminateStage, load_index
-    from sptool.stages.problemsets import Mapping
+    from sptool.stages.problemsets.columns import Mapping
 
     index = load_index(benchmarks, mapping=Mapping(preset or "", question_field or "").check(),
                        ngram=ngram, min_words=min_words,

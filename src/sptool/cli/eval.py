@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
 
 def benchmark_names(paths: List[str]) -> List[str]:
     """One name per benchmark source: its stem (a hub id), or its path where two share a stem."""
-    from sptool.stages.problemsets import source_name
+    from sptool.stages.problemsets.sources import source_name
 
     stems = [source_name(path) for path in paths]
     return [path if stems.count(stem) > 1 else stem for stem, path in zip(stems, paths)]
@@ -55,7 +55,8 @@ def evaluate(
     from sptool.stages.evaluate import evaluate_benchmark, parse_ks
     from sptool.core.jsonl import AtomicJsonlWriter
     from sptool.models.base import SamplingParams
-    from sptool.stages.problemsets import Mapping, read_problems
+    from sptool.stages.problemsets import read_problems
+    from sptool.stages.problemsets.columns import Mapping
     from sptool.core.records import LABELLED
 
     common.check_outputs({"--samples-out": samples_out})

@@ -79,7 +79,8 @@ class Svs(Recipe):
     def data(self) -> list[dict]:
         """The labelled training set (``--data``), read once."""
         if self._data is None:
-            from sptool.stages.problemsets import mapping_of, read_labelled_problems
+            from sptool.stages.problemsets import read_labelled_problems
+            from sptool.stages.problemsets.columns import mapping_of
 
             if not self.c.data:
                 raise UsageError(f"{self.name} needs a labelled problem set: --data FILE "

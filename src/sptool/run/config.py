@@ -102,7 +102,7 @@ class VerifyConfig:
                                   "extraction too)")
 
 
-PRESET_CHOICES = ("", "gsm8k", "math", "aime", "numina")  # sptool.stages.problemsets.PRESETS, kept light here
+PRESET_CHOICES = ("", "gsm8k", "math", "aime", "numina")  # sptool.stages.problemsets.columns.PRESETS, kept light here
 
 
 @dataclass

@@ -301,7 +301,8 @@ class Session(Training):
         if self._eval_sets is None:
             self._eval_sets = []
             for path in [p.strip() for p in self.settings.eval.benchmarks.split(",") if p.strip()]:
-                from sptool.stages.problemsets import Mapping, source_name
+                from sptool.stages.problemsets.columns import Mapping
+                from sptool.stages.problemsets.sources import source_name
 
                 problems = read_labelled_problems(path, "a held-out benchmark", Mapping(self.settings.eval.preset))
                 name = source_name(path)

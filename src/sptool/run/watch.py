@@ -45,7 +45,7 @@ def decontamination_index(settings: "Sections"):
         return None
     from sptool.stages.decontaminate import load_index
 
-    from sptool.stages.problemsets import Mapping
+    from sptool.stages.problemsets.columns import Mapping
 
     d = settings.decontaminate
     return load_index(paths, ngram=d.ngram, threshold=d.minhash_threshold or None,

@@ -1,24 +1,7 @@
-"""One reader for labelled problem sets, in the formats the field keeps them.
-
-A *source* is one of:
-
-- a JSONL file (``.gz`` too, ``-`` for stdin): sptool's own format, read as every stage reads it;
-- a parquet (``.parquet``), JSON (``.json``: an array of objects, or JSON Lines) or CSV file;
-- a ``datasets`` ``save_to_disk`` directory (a ``DatasetDict``: ``DIR@SPLIT``, default ``train``
-  or its only split), or a directory of parquet shards;
-- ``hf:NAME[:CONFIG][@SPLIT]``: read through ``datasets.load_dataset`` with the hub's cache
-  (offline, an id that is not cached is one line, exit 1).
-
-Each row becomes a record with ``question`` and (when known) ``answer``; every other column passes
-through. Columns are mapped by name (``question_field``, ``answer_field``) or by a preset of a
-common layout (:data:`PRESETS`): ``gsm8k`` (the ``#### N`` line of ``answer``), ``math`` (the
-last ``\\boxed{}`` of ``solution``), ``aime`` (an integer ``answer``), ``numina`` (``answer``, else
-the last ``\\boxed{}`` of ``solution``). A row that cannot be read is an :class:`InputError` at
-``source:row`` (1-based; in JSONL and CSV files the line) naming the field and what was expected,
-exit 2, as a bad JSONL line is.
-
-``datasets``/pyarrow are imported only for the formats that need them.
-"""
+"""Sources of problem sets: what a spec names (:func:`parse_source`: JSONL, parquet, JSON, CSV, a
+``datasets`` directory, ``hf:NAME``), the raw rows of each format (:func:`iter_rows`), and a
+source's short name and sha256. ``datasets``/pyarrow are imported only for the formats that need
+them."""
 
 from __future__ import annotations
 
@@ -27,158 +10,14 @@ import hashlib
 import json
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
-from sptool.core.records import QUESTION, InputError, RecordKind, RuntimeFailure, UsageError, answer_text, describe
+from sptool.core.records import InputError, RuntimeFailure, UsageError, describe
 
 DATASETS_HINT = "pip install datasets pyarrow (sptool's own dependencies: reinstall it)"
 
-
-# ---------------------------------------------------------------- presets: column layouts
-
-def _gsm8k_answer(value: Any) -> str | None:
-    if not isinstance(value, str):
-        return None
-    found = re.findall(r"^\s*####\s*(.+?)\s*$", value, flags=re.MULTILINE)
-    if not found:
-        return None
-    return re.sub(r"(?<=\d),(?=\d{3}\b)", "", found[-1]).strip() or None
-
-
-def _boxed_answer(value: Any) -> str | None:
-    if not isinstance(value, str):
-        return None
-    from sptool.stages.verify import last_boxed
-
-    return last_boxed(value)
-
-
-def _integer_answer(value: Any) -> str | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
-        return str(int(value))
-    return None
-
-
-def _plain_answer(value: Any) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        return None
-    return answer_text(value)
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A column layout: where the question and the answer are, and how to read the answer."""
-
-    name: str
-    question: tuple[str, ...]  # candidate columns, the first present is used
-    answer: tuple[str, ...]
-    extract: Callable[[Any], str | None]
-    expected: str  # what a readable answer field holds, for the error line
-    fallback: tuple[str, Callable[[Any], str | None]] | None = None  # numina: solution's \boxed{}
-
-
-def _numina_answer(value: Any) -> str | None:
-    text = _plain_answer(value)
-    return None if text is None or text.lower() in ("proof", "notfound", "none") else text
-
-
-PRESETS: dict[str, Preset] = {
-    "gsm8k": Preset("gsm8k", ("question",), ("answer",), _gsm8k_answer,
-                    "a GSM8K solution with a '#### N' answer line"),
-    "math": Preset("math", ("problem",), ("solution",), _boxed_answer,
-                   "a worked solution with a \\boxed{...} answer"),
-    "aime": Preset("aime", ("problem", "Problem", "question"), ("answer", "Answer"), _integer_answer,
-                   "an integer answer"),
-    "numina": Preset("numina", ("problem",), ("answer",), _numina_answer,
-                     "an answer, or a solution with a \\boxed{...} answer", ("solution", _boxed_answer)),
-}
-PRESET_NAMES = tuple(PRESETS)
-
-
-@dataclass(frozen=True)
-class Mapping:
-    """How a row's columns become ``question``/``answer``: a preset and/or explicit column names."""
-
-    preset: str = ""
-    question_field: str = ""
-    answer_field: str = ""
-
-    def check(self) -> "Mapping":
-        if self.preset and self.preset not in PRESETS:
-            raise UsageError(f"unknown data preset {self.preset!r} (one of: {', '.join(PRESET_NAMES)})")
-        return self
-
-    @property
-    def plain(self) -> bool:
-        return not (self.preset or self.question_field or self.answer_field)
-
-    def describe(self) -> str:
-        parts = [self.preset] if self.preset else []
-        if self.question_field:
-            parts.append(f"question={self.question_field}")
-        if self.answer_field:
-            parts.append(f"answer={self.answer_field}")
-        return ", ".join(parts) or "-"
-
-
-def _pick(row: dict, names: tuple[str, ...]) -> str:
-    return next((name for name in names if name in row), names[0])
-
-
-def _columns_hint(row: dict) -> str:
-    columns = ", ".join(list(row)[:12]) + (", ..." if len(row) > 12 else "")
-    return (f"its columns: {columns}; name them with --question-field/--answer-field (sptool run: "
-            f"--set data.question_field=COLUMN) or a preset: {', '.join(PRESET_NAMES)}")
-
-
-def map_row(row: dict, mapping: Mapping, *, need_answer: bool) -> dict:
-    """One row as a problem record (located by the caller): ``question`` and ``answer`` set from
-    the mapped columns, every other column kept. Raises :class:`InputError` (no location)."""
-    if mapping.plain:
-        return row
-    preset = PRESETS.get(mapping.preset)
-    question_field = mapping.question_field or (_pick(row, preset.question) if preset else "question")
-    answer_field = mapping.answer_field or (_pick(row, preset.answer) if preset else "answer")
-    record = dict(row)
-    question = row.get(question_field)
-    if not isinstance(question, str) or not question.strip():
-        reason = ("missing, expected the problem text (a non-empty string)" if question_field not in row
-                  else f"expected the problem text (a non-empty string), got {describe(question)}")
-        raise InputError(reason, field=question_field,
-                         hint=_columns_hint(row) if question_field not in row else None)
-    record["question"] = question
-    extract = preset.extract if preset else _plain_answer
-    value = row.get(answer_field)
-    answer = extract(value)
-    field = answer_field
-    if answer is None and preset and preset.fallback and not mapping.answer_field:
-        field, fallback = preset.fallback
-        answer = fallback(row.get(field))
-    if answer is None:
-        if need_answer:
-            expected = preset.expected if preset else "a reference answer (a string or a number)"
-            reason = (f"missing, expected {expected}" if field not in row
-                      else f"expected {expected}, got {describe(row.get(field))}")
-            raise InputError(reason, field=field,
-                             hint=_columns_hint(row) if field not in row else None)
-        record.pop("answer", None)  # not a readable answer: no gold rather than a wrong one
-        return record
-    if preset and preset.name == "gsm8k" and answer_field == "answer" and "solution" not in row:
-        record["solution"] = value  # the worked solution; `answer` becomes the final number
-    record["answer"] = answer
-    return record
-
-
-# ---------------------------------------------------------------- sources
 
 @dataclass(frozen=True)
 class Source:
@@ -423,46 +262,6 @@ def iter_rows(source: Source) -> Iterator[tuple[int, dict]]:
         yield from _rows_hf(source)
 
 
-def iter_problems(spec: str, kind: RecordKind = QUESTION, mapping: Mapping | None = None, *,
-                  need_answer: bool = False, user: str = "") -> Iterator[tuple[int, dict]]:
-    """``(row number, record)`` of every problem of ``spec``, mapped and validated as ``kind``;
-    ``need_answer``: a row without a reference answer is an error (naming ``user``).
-
-    The first unreadable row raises :class:`InputError` at ``source:row``."""
-    mapping = (mapping or Mapping()).check()
-    source = parse_source(spec)
-    location = source.spec if source.kind != "jsonl" else (source.path if source.path != "-" else "<stdin>")
-    for number, row in iter_rows(source):
-        try:
-            record = kind.validate(map_row(row, mapping, need_answer=need_answer))
-            if need_answer and answer_text(record.get("answer")) is None:
-                raise InputError(f"missing, expected a reference answer{f' ({user} needs one)' if user else ''}",
-                                 field="answer", hint=_columns_hint(row) if "answer" not in row else None)
-        except InputError as error:
-            if error.field in ("question", "answer") and error.field not in row and error.hint is None:
-                error = InputError(error.reason, field=error.field, hint=_columns_hint(row))
-            raise error.at(location, number) from None
-        yield number, record
-
-
-def read_problems(spec: str, kind: RecordKind = QUESTION, mapping: Mapping | None = None, *,
-                  need_answer: bool = False, user: str = "", allow_empty: bool = False) -> list[dict]:
-    """Every problem of ``spec`` (see :func:`iter_problems`); none at all is an error unless
-    ``allow_empty``."""
-    problems = [record for _, record in iter_problems(spec, kind, mapping, need_answer=need_answer, user=user)]
-    if not problems and not allow_empty:
-        raise InputError("no problems", source=spec)
-    return problems
-
-
-def mapping_of(settings: Any) -> Mapping:
-    """The ``[data]`` section of a run's settings as a :class:`Mapping`."""
-    data = getattr(settings, "data", None)
-    if data is None:
-        return Mapping()
-    return Mapping(data.preset, data.question_field, data.answer_field)
-
-
 def source_name(spec: str) -> str:
     """A short name for a source: a file's stem, a directory's name, a hub id with its split."""
     if str(spec).startswith("hf:"):
@@ -507,9 +306,3 @@ def source_sha256(spec: str) -> str | None:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()
-
-
-def read_labelled_problems(path: str, user: str, mapping: Mapping | None = None) -> list[dict]:
-    """Problems with reference answers (``question``, ``answer``) from any source, its columns
-    mapped by ``mapping``, for ``user`` (named in the error when a row has no answer)."""
-    return read_problems(path, mapping=mapping, need_answer=True, user=user)
