@@ -17,7 +17,7 @@ GROUPS = [{"prompt": PROMPTS[0], "completions": ["The answer is 7, surely.", "5"
 # -- fast checks (no model) ------------------------------------------------------------------
 
 def test_batch_rows_and_cache_lengths_fall_into_few_buckets():
-    from sptool.models.hf import bucket_length, bucket_rows
+    from sptool.models.hf_decoding import bucket_length, bucket_rows
 
     assert [bucket_rows(rows, 64) for rows in (1, 7, 8, 9, 16, 17, 33, 63, 64)] == \
         [8, 8, 8, 16, 16, 32, 64, 64, 64]
@@ -41,12 +41,12 @@ def test_logprob_recorder_gathers_each_sampled_token_from_its_own_step():
     from the generated sequence; the padding row is dropped."""
     import torch
 
-    from sptool.models.hf import _LogprobRecorder
+    from sptool.models.hf_decoding import LogprobRecorder
 
     torch.manual_seed(0)
     steps = [torch.randn(3, 5) for _ in range(3)]
     tokens = torch.tensor([[1, 4, 0], [2, 2, 3], [0, 0, 0]])
-    recorder = _LogprobRecorder()
+    recorder = LogprobRecorder()
     input_ids = torch.zeros(3, 4, dtype=torch.long)  # the prompt
     for step, logits in enumerate(steps):
         assert recorder(input_ids, logits) is logits  # the scores pass through unchanged

@@ -12,7 +12,7 @@ Two decoding paths, both transformers' own ``generate``:
   Shapes are bucketed so that a run records a few graphs, not one per call: a batch's rows are
   padded to a power of two (at most ``batch_size``; the padding rows are finished from the first
   step, so they never keep a call running) and the cache length to a multiple of 64
-  (:func:`bucket_rows`, :func:`bucket_length`). One cache per bucket is kept between calls
+  (:mod:`sptool.models.hf_decoding`). One cache per bucket is kept between calls
   (reset, not reallocated: CUDA graphs read fixed addresses); the model's parameters are read
   in place, so the compiled step sees every optimizer update of a shared trainer's weights.
 
@@ -26,27 +26,12 @@ import os
 from typing import Any
 
 from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, split_response_prefix, token_listener
+from sptool.models.hf_decoding import (FinishedRows, LogprobRecorder, TokenProgress, bucket_length, bucket_rows,
+                                       regional_compile_off)
 from sptool.models.resolve import resolve_model
 from sptool.core.records import RuntimeFailure, UsageError
 
-ROW_BUCKET_MIN = 8      # the smallest padded batch of the static path
-LENGTH_BUCKET = 64      # static cache lengths are multiples of this
 MAX_CACHES = 4          # static caches kept between calls (least recently used dropped first)
-
-
-def bucket_rows(rows: int, batch_size: int) -> int:
-    """The padded row count of a static-cache batch of ``rows`` sequences: the next power of two
-    (at least :data:`ROW_BUCKET_MIN`), never above ``batch_size`` (nor below ``rows``)."""
-    bucket = ROW_BUCKET_MIN
-    while bucket < rows:
-        bucket *= 2
-    return max(rows, min(bucket, batch_size))
-
-
-def bucket_length(tokens: int) -> int:
-    """The static cache length for ``tokens`` positions (prompt + new tokens): the next multiple
-    of :data:`LENGTH_BUCKET`."""
-    return max(1, -(-tokens // LENGTH_BUCKET)) * LENGTH_BUCKET
 
 
 def pick_device(device: str | None) -> str:
@@ -295,7 +280,7 @@ class HFBackend:
                     break  # past the deadline: the caller sees missing samples and drops the batch
                 options["max_time"] = left
             processors = []
-            recorder = _LogprobRecorder() if params.logprobs else None
+            recorder = LogprobRecorder() if params.logprobs else None
             if recorder is not None:
                 processors.append(recorder)  # first: it sees the raw logits, as output_logits did
             if sampling:
@@ -316,7 +301,7 @@ class HFBackend:
             criteria = []
             listener = token_listener()
             if listener is not None:
-                criteria.append(_TokenProgress(listener, len(batch)))
+                criteria.append(TokenProgress(listener, len(batch)))
             if self.static_cache:
                 length = bucket_length(prompt_length + params.max_new_tokens)
                 with torch.inference_mode():  # the cache holds inference tensors: reset in that mode
@@ -328,7 +313,7 @@ class HFBackend:
                 if rows > len(batch):
                     done = torch.zeros(rows, dtype=torch.bool, device=self.device)
                     done[len(batch):] = True
-                    criteria.append(_FinishedRows(done))
+                    criteria.append(FinishedRows(done))
                 if self.compile and (rows, length) not in self.shapes_seen and self.log is not None:
                     self.log(f"hf: new decoding shape {rows} rows x {length} positions: compiling or "
                              f"recording its CUDA graph (the first compile takes a while)")
@@ -338,7 +323,7 @@ class HFBackend:
 
                 options["stopping_criteria"] = StoppingCriteriaList(criteria)
             torch.manual_seed(params.seed * 1_000_003 + batch_index)
-            with torch.inference_mode(), _regional_compile_off(self.model), self._autocast():
+            with torch.inference_mode(), regional_compile_off(self.model), self._autocast():
                 try:
                     output = self.model.generate(**encoded, **options)
                 except Exception as exc:  # noqa: BLE001 - only a first compiled call falls back
@@ -405,91 +390,3 @@ class HFBackend:
     def close(self) -> None:
         self._caches.clear()
         self.model = None
-
-
-class _TokenProgress:
-    """A stopping criterion that never stops: it tells ``listener`` after every decoding step how
-    many real rows got a new token (the progress of a long generation; padding rows not counted)."""
-
-    def __init__(self, listener, rows: int):
-        self.listener, self.real_rows = listener, rows
-
-    def __call__(self, input_ids, scores, **kwargs):
-        import torch
-
-        self.listener(self.real_rows)
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-class _FinishedRows:
-    """A stopping criterion that finishes the static path's padding rows (a fixed mask: no
-    host-device synchronisation), so they never keep a call decoding."""
-
-    def __init__(self, done):
-        self.done = done
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return self.done
-
-
-class _LogprobRecorder:
-    """A logits processor, first in line: at each step it keeps the raw logits and their
-    log-normaliser, and gathers the previous step's sampled token (now the last input id) from
-    the previous step's logits. So one step's logits are held at a time; :meth:`rows` adds the
-    last step's token and returns the per-row log-probabilities (under the raw logits)."""
-
-    def __init__(self):
-        self.gathered: list = []  # (rows,) float32 per generated token but the last
-        self.last = None  # (raw logits, logsumexp) of the latest step
-
-    def _gather(self, tokens):
-        logits, normaliser = self.last
-        return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - normaliser
-
-    def __call__(self, input_ids, scores):
-        if self.last is not None:
-            self.gathered.append(self._gather(input_ids[:, -1]))
-        raw = scores.float()
-        self.last = (raw, raw.logsumexp(dim=-1))
-        return scores
-
-    def rows(self, new_tokens) -> list[list[float]]:
-        """Log-probabilities of ``new_tokens`` (the real rows x the generated tokens)."""
-        import torch
-
-        real, steps = new_tokens.shape
-        columns = [column[:real] for column in self.gathered[:steps]]
-        if len(columns) < steps and self.last is not None:
-            logits, normaliser = self.last
-            token = new_tokens[:, len(columns)].to(logits.device)
-            columns.append(logits[:real].gather(-1, token.unsqueeze(-1)).squeeze(-1) - normaliser[:real])
-        self.gathered, self.last = [], None
-        if not columns:
-            return [[] for _ in range(real)]
-        return torch.stack(columns, dim=1).tolist()
-
-
-class _regional_compile_off:
-    """The trainer's regionally compiled modules (``nn.Module.compile()``: its decoder layers on
-    CUDA) run their plain forward while generating: compiled for training, the layers' one
-    compiled forward would otherwise recompile for each cache layer it is handed (dynamo guards
-    on the cache layer; seen on CPU with a static cache: dynamo's recompile limit of 8 hit in the
-    first prefill), a limit it shares with the training graphs. The compiled decoding step, when
-    on, traces the plain layers itself."""
-
-    def __init__(self, model):
-        self.model, self.saved = model, []
-
-    def __enter__(self):
-        for module in self.model.modules():
-            compiled = getattr(module, "_compiled_call_impl", None)
-            if compiled is not None:
-                self.saved.append((module, compiled))
-                module._compiled_call_impl = None
-        return self
-
-    def __exit__(self, *exc):
-        for module, compiled in self.saved:
-            module._compiled_call_impl = compiled
-        self.saved = []
-        return False

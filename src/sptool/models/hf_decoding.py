@@ -1,0 +1,113 @@
+"""The ``hf`` backend's decoding helpers, handed to transformers' ``generate``: the static path's
+shape buckets (rows padded to a power of two, cache lengths to a multiple of 64), the stopping
+criteria that report progress and finish padding rows, the logits processor that gathers
+sampling log-probabilities one step at a time, and the switch that runs a trainer's regionally
+compiled layers plainly while generating."""
+
+from __future__ import annotations
+
+ROW_BUCKET_MIN = 8      # the smallest padded batch of the static path
+LENGTH_BUCKET = 64      # static cache lengths are multiples of this
+
+
+def bucket_rows(rows: int, batch_size: int) -> int:
+    """The padded row count of a static-cache batch of ``rows`` sequences: the next power of two
+    (at least :data:`ROW_BUCKET_MIN`), never above ``batch_size`` (nor below ``rows``)."""
+    bucket = ROW_BUCKET_MIN
+    while bucket < rows:
+        bucket *= 2
+    return max(rows, min(bucket, batch_size))
+
+
+def bucket_length(tokens: int) -> int:
+    """The static cache length for ``tokens`` positions (prompt + new tokens): the next multiple
+    of :data:`LENGTH_BUCKET`."""
+    return max(1, -(-tokens // LENGTH_BUCKET)) * LENGTH_BUCKET
+
+
+class TokenProgress:
+    """A stopping criterion that never stops: it tells ``listener`` after every decoding step how
+    many real rows got a new token (the progress of a long generation; padding rows not counted)."""
+
+    def __init__(self, listener, rows: int):
+        self.listener, self.real_rows = listener, rows
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        self.listener(self.real_rows)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class FinishedRows:
+    """A stopping criterion that finishes the static path's padding rows (a fixed mask: no
+    host-device synchronisation), so they never keep a call decoding."""
+
+    def __init__(self, done):
+        self.done = done
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return self.done
+
+
+class LogprobRecorder:
+    """A logits processor, first in line: at each step it keeps the raw logits and their
+    log-normaliser, and gathers the previous step's sampled token (now the last input id) from
+    the previous step's logits. So one step's logits are held at a time; :meth:`rows` adds the
+    last step's token and returns the per-row log-probabilities (under the raw logits)."""
+
+    def __init__(self):
+        self.gathered: list = []  # (rows,) float32 per generated token but the last
+        self.last = None  # (raw logits, logsumexp) of the latest step
+
+    def _gather(self, tokens):
+        logits, normaliser = self.last
+        return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - normaliser
+
+    def __call__(self, input_ids, scores):
+        if self.last is not None:
+            self.gathered.append(self._gather(input_ids[:, -1]))
+        raw = scores.float()
+        self.last = (raw, raw.logsumexp(dim=-1))
+        return scores
+
+    def rows(self, new_tokens) -> list[list[float]]:
+        """Log-probabilities of ``new_tokens`` (the real rows x the generated tokens)."""
+        import torch
+
+        real, steps = new_tokens.shape
+        columns = [column[:real] for column in self.gathered[:steps]]
+        if len(columns) < steps and self.last is not None:
+            logits, normaliser = self.last
+            token = new_tokens[:, len(columns)].to(logits.device)
+            columns.append(logits[:real].gather(-1, token.unsqueeze(-1)).squeeze(-1) - normaliser[:real])
+        self.gathered, self.last = [], None
+        if not columns:
+            return [[] for _ in range(real)]
+        return torch.stack(columns, dim=1).tolist()
+
+
+class regional_compile_off:
+    """The trainer's regionally compiled modules (``nn.Module.compile()``: its decoder layers on
+    CUDA) run their plain forward while generating: compiled for training, the layers' one
+    compiled forward would otherwise recompile for each cache layer it is handed (dynamo guards
+    on the cache layer; seen on CPU with a static cache: dynamo's recompile limit of 8 hit in the
+    first prefill), a limit it shares with the training graphs. The compiled decoding step, when
+    on, traces the plain layers itself."""
+
+    def __init__(self, model):
+        self.model, self.saved = model, []
+
+    def __enter__(self):
+        for module in self.model.modules():
+            compiled = getattr(module, "_compiled_call_impl", None)
+            if compiled is not None:
+                self.saved.append((module, compiled))
+                module._compiled_call_impl = None
+        return self
+
+    def __exit__(self, *exc):
+        for module, compiled in self.saved:
+            module._compiled_call_impl = compiled
+        self.saved = []
+        return False
