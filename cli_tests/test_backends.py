@@ -178,7 +178,7 @@ def hf_greedy(path: str, params) -> tuple[object, list[list[int]]]:
 # -- fast checks (no model) ------------------------------------------------------------------
 
 def test_base_urls_are_parsed_from_option_and_env(monkeypatch):
-    from sptool.models.openai_backend import parse_base_urls
+    from sptool.models.openai_http import parse_base_urls
     from sptool.core.records import UsageError
 
     assert parse_base_urls("http://a:8000, http://b:9000/v1/") == ["http://a:8000/v1", "http://b:9000/v1"]
