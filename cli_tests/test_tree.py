@@ -396,6 +396,24 @@ def test_wikipedia_backend_speaks_mediawiki_search(wiki_server):
     assert _WikiHandler.requests[-1][1]["action"] == "opensearch"
 
 
+def test_both_mediawiki_users_share_one_client_and_its_api_php_rule(wiki_server):
+    """net.mediawiki is the one client: a site root gets /w/api.php for titles and corpus search alike."""
+    from sptool.core.records import UsageError
+    from sptool.net.mediawiki import MediaWiki
+    from sptool.stages.corpus.search import WikipediaSearch
+
+    root = wiki_server.removesuffix("/w/api.php") + "/"
+    titles, search = WikipediaTitles(root, timeout_s=5), WikipediaSearch(root, timeout=5)
+    assert isinstance(titles.wiki, MediaWiki) and isinstance(search.wiki, MediaWiki)
+    assert titles.url == search.api == wiki_server
+    assert titles.search("Algebraic topology") == ["Algebraic topology", "Topology"]
+    assert _WikiHandler.requests[-1][0] == "/w/api.php"
+    for make, setting in ((lambda: WikipediaTitles("ftp://host/w/api.php"), "--wiki-url"),
+                          (lambda: WikipediaSearch("ftp://host/w/api.php"), "--search-url")):
+        with pytest.raises(UsageError, match=f"^{setting} must be an http\\(s\\) URL of a MediaWiki api.php"):
+            make()
+
+
 def test_expand_validates_against_wikipedia_server(cli, wiki_server, tmp_path):
     tree_file = tmp_path / "tree.json"
     cli(["tree", "init", "--domain", "mathematics", "--tree", tree_file, "-L", "3", "-q"])

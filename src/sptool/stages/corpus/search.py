@@ -4,9 +4,9 @@ Chosen by name with :func:`load_search` (``--search``):
 
 - ``searxng``: a SearXNG instance's JSON API (``--search-url``, e.g. ``http://localhost:8888``;
   the instance must enable the ``json`` format).
-- ``wikipedia``: MediaWiki search (``list=search``) and page text (``prop=extracts``); the API
-  URL is configurable (default ``https://en.wikipedia.org/w/api.php``). Results carry the page
-  text, so nothing is fetched.
+- ``wikipedia``: MediaWiki search (``list=search``) and page text (``prop=extracts``) through
+  :mod:`sptool.net.mediawiki`; the API URL is configurable (default
+  ``https://en.wikipedia.org/w/api.php``). Results carry the page text, so nothing is fetched.
 - ``brave``: the Brave Search API, key from ``SPTOOL_BRAVE_API_KEY``.
 - ``local:PATH``: a folder of ``.html``/``.htm``/``.txt``/``.md`` files or a JSONL corpus
   (``text`` or ``html``, optional ``title`` and ``url``), ranked for the query with BM25 — the
@@ -37,7 +37,7 @@ from sptool.core.records import InputError, RuntimeFailure, UsageError
 from sptool.core.registry import Registry
 
 if TYPE_CHECKING:
-    from sptool.net.http import HttpClient
+    from sptool.net.http import HttpClient, HttpError
 
 
 @dataclass
@@ -85,14 +85,19 @@ def http_get_json(url: str, *, client: "HttpClient", headers: dict | None = None
     try:
         data = client.get_json(url, headers=headers)
     except HttpError as error:
-        if error.category == "http-error" and error.status:
-            raise SearchError(f"search endpoint {where} answered HTTP {error.status}") from None
-        if error.category == "bad-answer":
-            raise SearchError(f"search endpoint {where} did not answer JSON") from None
-        raise SearchError(f"search endpoint {where} failed ({error.category}: {error.detail})") from None
+        raise endpoint_error(where, error) from None
     if not isinstance(data, dict):
         raise SearchError(f"search endpoint {where} did not answer a JSON object")
     return data
+
+
+def endpoint_error(where: str, error: "HttpError") -> SearchError:
+    """The one line for a search endpoint's HTTP failure."""
+    if error.category == "http-error" and error.status:
+        return SearchError(f"search endpoint {where} answered HTTP {error.status}")
+    if error.category == "bad-answer":
+        return SearchError(f"search endpoint {where} did not answer JSON")
+    return SearchError(f"search endpoint {where} failed ({error.category}: {error.detail})")
 
 
 _TAG = re.compile(r"<[^>]+>")
@@ -134,49 +139,39 @@ class SearxngSearch:
 
 
 class WikipediaSearch:
-    """MediaWiki: ``list=search`` for titles, ``prop=extracts&explaintext`` for plain page text."""
+    """MediaWiki (:class:`sptool.net.mediawiki.MediaWiki`): ``list=search`` for titles,
+    ``prop=extracts&explaintext`` for plain page text."""
 
     name = "wikipedia"
-    DEFAULT_URL = "https://en.wikipedia.org/w/api.php"
 
     def __init__(self, url: str | None = None, *, timeout: float = 15.0, allow_private: bool = False,
-                 allow_networks: Iterable[str] = (), **_: object):
-        self.api = url or self.DEFAULT_URL
-        if not self.api.endswith(".php"):
-            self.api = self.api.rstrip("/") + "/w/api.php"
-        parts = urllib.parse.urlsplit(self.api)
-        self.page_base = f"{parts.scheme}://{parts.netloc}/wiki/"
-        self.timeout = timeout
-        self.client = search_client(self.api, timeout=timeout, allow_private=allow_private,
-                                    allow_networks=allow_networks)
+                 allow_networks: Iterable[str] = (), setting: str = "--search-url", **_: object):
+        from sptool.net.mediawiki import MediaWiki
+        from sptool.stages.corpus.policy import network_policy
 
-    def _get(self, **params) -> dict:
-        params = {"format": "json", "formatversion": "2", **params}
-        return http_get_json(f"{self.api}?{urllib.parse.urlencode(params)}", client=self.client)
+        self.wiki = MediaWiki(url, policy=network_policy(allow_private=allow_private,
+                                                         allow_networks=allow_networks),
+                              timeout=timeout, retries=1, backoff=0.5, max_bytes=20_000_000,
+                              setting=setting)
+        self.api = self.wiki.url
+        self.timeout = timeout
 
     def search(self, query: str, limit: int) -> list[SearchResult]:
-        data = self._get(action="query", list="search", srsearch=query, srlimit=str(limit),
-                         srnamespace="*")
-        hits = (data.get("query") or {}).get("search") or []
-        titles = [str(h["title"]) for h in hits if isinstance(h, dict) and h.get("title")][:limit]
-        if not titles:
-            return []
-        pages = self._get(action="query", prop="extracts", explaintext="1", redirects="1",
-                          titles="|".join(titles))
-        texts: dict[str, str] = {}
-        for page in (pages.get("query") or {}).get("pages") or []:
-            if isinstance(page, dict) and page.get("title"):
-                texts[str(page["title"])] = str(page.get("extract") or "")
-        results = []
-        for rank, hit in enumerate(h for h in hits if isinstance(h, dict) and h.get("title")):
-            title = str(hit["title"])
-            url = self.page_base + urllib.parse.quote(title.replace(" ", "_"), safe=":_()-,.'")
-            results.append(SearchResult(url=url, title=title, snippet=strip_tags(hit.get("snippet", "")),
-                                        rank=rank + 1, engine=self.name,
-                                        content=texts.get(title, ""), content_type="text/plain"))
-            if len(results) >= limit:
-                break
-        return results
+        from sptool.net.mediawiki import MediaWikiError
+
+        try:
+            hits = self.wiki.search(query, limit, formatversion="2", srnamespace="*")
+            texts = self.wiki.extracts([str(hit["title"]) for hit in hits]) if hits else {}
+        except MediaWikiError as error:
+            if error.http is not None:
+                raise endpoint_error(self.api, error.http) from None
+            if error.category == "not-json":
+                raise SearchError(f"search endpoint {self.api} did not answer JSON") from None
+            raise SearchError(f"search endpoint {self.api}: {error.detail}") from None
+        return [SearchResult(url=self.wiki.page_url(hit["title"]), title=hit["title"],
+                             snippet=strip_tags(hit.get("snippet", "")), rank=rank, engine=self.name,
+                             content=texts.get(hit["title"], ""), content_type="text/plain")
+                for rank, hit in enumerate(hits, start=1)]
 
 
 class BraveSearch:
@@ -332,4 +327,5 @@ def load_search(spec: str, *, url: str | None = None, timeout: float = 15.0, all
         from sptool.stages.corpus.policy import check_endpoint
 
         check_endpoint(url, setting=setting, allow_networks=allow_networks, allow_hint=allow_hint)
-    return factory(url, timeout=timeout, allow_private=allow_private, allow_networks=list(allow_networks))
+    return factory(url, timeout=timeout, allow_private=allow_private, allow_networks=list(allow_networks),
+                   setting=setting)

@@ -8,9 +8,10 @@ articles that a search for ``query`` returns. The tree expander computes
 Two backends:
 
 - :class:`WikipediaTitles`: MediaWiki's public search API (``action=query&list=search``, or
-  ``action=opensearch``) through :class:`sptool.net.http.HttpClient` (total time budget; redirects
-  away from the endpoint checked by the address policy before connecting). The
-  endpoint is configurable (``--wiki-url``), so a mirror or a local test server can stand in.
+  ``action=opensearch``) through the one MediaWiki client, :mod:`sptool.net.mediawiki` (total
+  time budget; redirects away from the endpoint checked by the address policy before
+  connecting). The endpoint is configurable (``--wiki-url``), so a mirror or a local test server
+  can stand in.
 - :class:`LocalTitles`: an offline list of titles (a text file, one title per line, ``#``
   comments) or a folder (every file name, ``Group_theory.txt`` → "Group theory"). Search ranks
   the titles by token-set similarity to the query, like a search engine would.
@@ -19,13 +20,11 @@ Two backends:
 from __future__ import annotations
 
 import os
-import urllib.parse
 from pathlib import Path
 from typing import Protocol
 
 from sptool.core.records import InputError, RuntimeFailure, UsageError
 
-DEFAULT_WIKI_URL = "https://en.wikipedia.org/w/api.php"
 USER_AGENT = "sptool/0.1 (self-play RLVR toolkit; title validation)"
 
 
@@ -40,80 +39,48 @@ class TitleBackend(Protocol):
 
 
 class WikipediaTitles:
-    """MediaWiki search API: ``list=search`` (default) or ``opensearch``, JSON over HTTP(S)."""
+    """MediaWiki search (:class:`sptool.net.mediawiki.MediaWiki`): ``list=search`` (default) or
+    ``opensearch``."""
 
     name = "wikipedia"
 
-    def __init__(self, url: str = DEFAULT_WIKI_URL, *, api: str = "search", timeout_s: float = 10.0,
+    def __init__(self, url: str | None = None, *, api: str = "search", timeout_s: float = 10.0,
                  retries: int = 1, allow_private: bool = False, allow_networks=()):
         if api not in ("search", "opensearch"):
             raise UsageError(f"unknown Wikipedia API '{api}'; choose from search, opensearch")
-        parsed = urllib.parse.urlparse(url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise UsageError(f"--wiki-url must be an http(s) URL of a MediaWiki api.php, got '{url}'")
-        self.url = url
-        self.api = api
-        self.timeout_s = timeout_s
-        self.retries = max(0, retries)
-        self.requests = 0
+        from sptool.net.mediawiki import MediaWiki
         from sptool.stages.corpus.policy import network_policy
-        from sptool.net.http import HttpClient
 
         # The configured endpoint is trusted at its own origin; a redirect elsewhere is checked
         # (loopback, private, metadata refused unless allow_private) before any connection, and
         # each search has a total time budget of timeout_s (retries included).
-        self.client = HttpClient(network_policy(allow_private=allow_private, allow_networks=allow_networks),
-                                 timeout=timeout_s, retries=self.retries, backoff=0.2,
-                                 max_bytes=2_000_000, user_agent=USER_AGENT, trusted=[url],
-                                 total_s=timeout_s)
+        self.wiki = MediaWiki(url, policy=network_policy(allow_private=allow_private,
+                                                         allow_networks=allow_networks),
+                              timeout=timeout_s, retries=retries, backoff=0.2, max_bytes=2_000_000,
+                              user_agent=USER_AGENT, setting="--wiki-url")
+        self.url = self.wiki.url
+        self.api = api
+        self.timeout_s = timeout_s
 
-    def request_url(self, query: str, limit: int) -> str:
-        if self.api == "search":
-            params = {"action": "query", "list": "search", "srsearch": query,
-                      "srlimit": str(limit), "srprop": "", "format": "json"}
-        else:
-            params = {"action": "opensearch", "search": query, "limit": str(limit),
-                      "namespace": "0", "format": "json"}
-        separator = "&" if urllib.parse.urlparse(self.url).query else "?"
-        return self.url + separator + urllib.parse.urlencode(params)
+    @property
+    def requests(self) -> int:
+        """HTTP attempts made so far (retries included)."""
+        return self.wiki.attempts
 
     def search(self, query: str, limit: int = 10) -> list[str]:
-        from sptool.net.http import HttpError
+        from sptool.net.mediawiki import MediaWikiError
 
-        url = self.request_url(query, limit)
         try:
-            response = self.client.request(url, accept="application/json")
-        except HttpError as error:
-            self.requests += error.response.attempts if error.response is not None else 1
-            raise RuntimeFailure(f"title search at {self.url} failed: {error.category}: {error.detail} "
-                                 "(no network? pass --titles FILE, one title a line, to validate new "
-                                 "nodes offline)") from None
-        self.requests += response.attempts
-        body = response.body
-        return parse_search_response(body, self.api, source=self.url)[:limit]
-
-
-def parse_search_response(body: bytes, api: str, *, source: str) -> list[str]:
-    """Titles from a MediaWiki ``list=search`` or ``opensearch`` JSON response."""
-    try:
-        from sptool.core.jsonl import loads_strict
-
-        data = loads_strict(body.decode("utf-8"))
-    except ValueError:  # not UTF-8, not JSON, or a refused value
-        raise RuntimeFailure(f"title search at {source} did not return JSON") from None
-    if isinstance(data, dict) and "error" in data:
-        info = data["error"].get("info") if isinstance(data["error"], dict) else data["error"]
-        raise RuntimeFailure(f"title search at {source} returned an error: {info}")
-    if api == "search":
-        try:
-            hits = data["query"]["search"]
-            return [hit["title"] for hit in hits if isinstance(hit.get("title"), str)]
-        except (KeyError, TypeError, AttributeError):
-            raise RuntimeFailure(f"title search at {source}: expected "
-                                 "{'query': {'search': [{'title': ...}]}}") from None
-    if isinstance(data, list) and len(data) >= 2 and isinstance(data[1], list):
-        return [title for title in data[1] if isinstance(title, str)]
-    raise RuntimeFailure(f"title search at {source}: expected an opensearch array [query, [titles], …]")
+            if self.api == "opensearch":
+                return self.wiki.opensearch(query, limit)
+            return [hit["title"] for hit in self.wiki.search(query, limit, srprop="")]
+        except MediaWikiError as error:
+            if error.http is not None:
+                raise RuntimeFailure(f"title search at {self.url} failed: {error.detail} (no network? "
+                                     "pass --titles FILE, one title a line, to validate new nodes "
+                                     "offline)") from None
+            separator = ": " if error.category == "shape" else " "
+            raise RuntimeFailure(f"title search at {self.url}{separator}{error.detail}") from None
 
 
 class LocalTitles:
@@ -170,5 +137,5 @@ def load_title_backend(titles: str | None = None, wiki_url: str | None = None, *
         from sptool.stages.corpus.policy import check_endpoint
 
         check_endpoint(wiki_url, setting=setting, allow_networks=allow_networks, allow_hint=allow_hint)
-    return WikipediaTitles(wiki_url or DEFAULT_WIKI_URL, api=api, timeout_s=timeout_s,
+    return WikipediaTitles(wiki_url, api=api, timeout_s=timeout_s,
                            allow_private=allow_private, allow_networks=allow_networks)
