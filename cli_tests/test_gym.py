@@ -51,7 +51,8 @@ def test_several_tasks_params_and_stdout():
 def test_unknown_task_and_bad_arguments_are_one_line_errors():
     result = run_sptool("data", "gym", "basic_arithmatic", "-n", "3")
     assert result.returncode == 2
-    assert "unknown reasoning-gym task 'basic_arithmatic'; did you mean: basic_arithmetic" in result.stderr
+    assert ("unknown reasoning-gym task 'basic_arithmatic'. Did you mean 'basic_arithmetic'? "
+            "`sptool data gym --list` lists every task") in result.stderr
     assert "Traceback" not in result.stderr
     assert run_sptool("data", "gym", "-n", "3").returncode == 2
     assert run_sptool("data", "gym", "chain_sum", "-n", "0").returncode == 2

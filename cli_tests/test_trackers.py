@@ -21,7 +21,8 @@ def test_flatten_keeps_numbers_only():
 def test_parse_log_with():
     assert parse_log_with(["tensorboard,trackio", "tensorboard", "none"]) == ["tensorboard", "trackio"]
     assert parse_log_with([]) == []
-    with pytest.raises(UsageError, match="unknown tracker 'tensorbord'; did you mean 'tensorboard'"):
+    with pytest.raises(UsageError, match="^--log-with: unknown tracker 'tensorbord'. Did you mean 'tensorboard'\\? "
+                                         "Choose from: tensorboard, trackio, wandb$"):
         parse_log_with(["tensorbord"])
 
 
@@ -61,5 +62,5 @@ def test_run_logs_metrics_and_plots_that_tensorboard_and_trackio_read_back(tmp_p
 @pytest.mark.slow
 def test_unknown_or_missing_tracker_is_a_usage_error(tmp_path, random_policy):
     result = run_sptool(*scripted_args("svs", tmp_path / "r", random_policy), "--log-with", "tensorbord", env=ENV)
-    assert result.returncode == 2 and "did you mean 'tensorboard'" in result.stderr
+    assert result.returncode == 2 and "Did you mean 'tensorboard'?" in result.stderr
     assert not (tmp_path / "r").exists()

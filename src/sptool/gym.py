@@ -52,11 +52,10 @@ def available_tasks() -> list[str]:
 def check_task(name: str) -> None:
     tasks = available_tasks()
     if name not in tasks:
-        from sptool.core.registry import closest
+        from sptool.core.registry import unknown_name_error
 
-        close = closest(name, tasks, n=3)
-        hint = f"; did you mean: {', '.join(close)}?" if close else " (see `sptool data gym --list`)"
-        raise UsageError(f"unknown reasoning-gym task '{name}'{hint}")
+        raise unknown_name_error("reasoning-gym task", name, tasks,
+                                 choices="`sptool data gym --list` lists every task")
 
 
 def _plain(value: Any) -> Any:

@@ -25,11 +25,13 @@ def closest(name: str, known, n: int = 1) -> list[str]:
     return difflib.get_close_matches(name, list(known), n=n)
 
 
-def unknown_name_error(kind: str, name: str, known: list[str]) -> UsageError:
-    """``unknown <kind> '<name>'. Did you mean '<close>'? Choose from: a, b, c``."""
+def unknown_name_error(kind: str, name: str, known, *, choices: str | None = None) -> UsageError:
+    """``unknown <kind> '<name>'. Did you mean '<close>'? Choose from: a, b, c``: every unknown
+    name in sptool is worded here. ``choices`` replaces ``Choose from: …`` where the list is long
+    or comes with another way out (``… --list`` shows every task; or give a file path)."""
     close = closest(name, known)
     hint = f" Did you mean '{close[0]}'?" if close else ""
-    return UsageError(f"unknown {kind} '{name}'.{hint} Choose from: {', '.join(sorted(known))}")
+    return UsageError(f"unknown {kind} '{name}'.{hint} {choices or 'Choose from: ' + ', '.join(sorted(known))}")
 
 
 class Registry(Generic[T]):

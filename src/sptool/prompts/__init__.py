@@ -216,12 +216,11 @@ def load_prompt(role: str, name_or_path: str | None = None, *, prefix: str | Non
             raise UsageError(f"cannot read {role} prompt file {name}: {exc}") from None
         base = dict(prefix="", stop=(), answer_prefix="", answer_stop=(), answer_max_tokens=16)
     else:
-        from sptool.core.registry import closest
+        from sptool.core.registry import unknown_name_error
 
-        close = closest(name, PACKAGED[role])
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise UsageError(f"unknown {role} prompt '{name}'.{hint} Packaged {role} prompts: "
-                         f"{', '.join(PACKAGED[role])}; or give a template file path")
+        raise unknown_name_error(f"{role} prompt", name, PACKAGED[role],
+                                 choices=f"Packaged {role} prompts: {', '.join(PACKAGED[role])}; "
+                                         "or give a template file path")
     missing = [field for field in ROLES[role][1] if field not in template_fields(template)]
     if missing:
         raise UsageError(f"{role} prompt {name} has no {{{missing[0]}}} placeholder; the {role} "

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sptool.core.records import UsageError
-from sptool.core.registry import closest
+from sptool.core.registry import unknown_name_error
 from sptool.run.run_dir import StepKey
 
 TRACKERS = ("tensorboard", "trackio", "wandb")
@@ -35,9 +35,7 @@ def parse_log_with(values: list[str]) -> list[str]:
             if not name or name == "none":
                 continue
             if name not in TRACKERS:
-                close = closest(name, TRACKERS)
-                hint = f"; did you mean '{close[0]}'?" if close else f" (one of: {', '.join(TRACKERS)})"
-                raise UsageError(f"--log-with: unknown tracker '{name}'{hint}")
+                raise UsageError(f"--log-with: {unknown_name_error('tracker', name, TRACKERS)}")
             if importlib.util.find_spec(_PACKAGES[name]) is None:
                 raise UsageError(f"--log-with {name}: the {_PACKAGES[name]} package is not installed "
                                  f"(pip install {_PACKAGES[name]})")
