@@ -45,7 +45,7 @@ from learning_parity import read_jsonl, reward  # noqa: E402  (the parity benchm
 def sample_batch(model, tokenizer, problems, template, samples, max_tokens, device, seed):
     import torch
 
-    from sptool.models.hf import render_prompt
+    from sptool.models.tokenizer import render_prompt
 
     texts = [render_prompt(tokenizer, [{"role": "user", "content": template.replace("{question}", p["question"])}])
              for p in problems]
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from sptool.models.hf import load_tokenizer
+    from sptool.models.tokenizer import load_tokenizer
     from sptool.models.resolve import resolve_model
 
     transformers.utils.logging.set_verbosity_error()

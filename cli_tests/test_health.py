@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from sptool.stages.decontaminate import TextIndex
-from sptool.run.health import (HealthThresholds, collapse_reasons, difficulty_histogram, duplicate_shares,
-                               group_signal_share, signal_share)
+from sptool.run.config import HealthConfig
+from sptool.run.health import (collapse_reasons, difficulty_histogram, duplicate_shares, group_signal_share,
+                               signal_share)
 
 
 def test_difficulty_histogram_separates_all_easy_and_impossible():
@@ -40,8 +41,8 @@ def test_duplicate_shares_within_and_against_earlier_iterations():
 def test_collapse_reasons_name_each_crossed_threshold():
     health = {"valid_rate": 0.2, "duplicate_share_within": 0.9, "duplicate_share_earlier": 0.1,
               "signal_share": 0.0, "pseudo_label_accuracy": None}
-    assert collapse_reasons(health, HealthThresholds()) == []
-    reasons = collapse_reasons(health, HealthThresholds(min_valid_rate=0.5, max_duplicate_share=0.5,
+    assert collapse_reasons(health, HealthConfig()) == []
+    reasons = collapse_reasons(health, HealthConfig(min_valid_rate=0.5, max_duplicate_share=0.5,
                                                         min_signal_share=0.1, min_pseudo_label_accuracy=0.5))
     assert reasons == ["valid-question rate 0.20 < 0.5 (valid_rate)",
                        "near-duplicate share 0.90 > 0.5 (duplicate_share_within)",

@@ -36,7 +36,7 @@ ADVANTAGES = [0.9, 0.45, -0.55, -0.8]
 
 def _batch(tokenizer):
     """Prompt ids, completion ids (with EOS) per question, rendered as the trainer renders them."""
-    from sptool.models.hf import render_prompt
+    from sptool.models.tokenizer import render_prompt
 
     rows = []
     for question, completion in QUESTIONS:
@@ -113,7 +113,8 @@ def test_the_cuda_default_precisions_see_an_update_and_keep_the_gradient(tiny_mo
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sptool.models.hf import load_tokenizer, shared_sampler_autocast
+    from sptool.models.hf import shared_sampler_autocast
+    from sptool.models.tokenizer import load_tokenizer
     from sptool.train.step import resolve_mixed_precision
 
     torch.manual_seed(0)

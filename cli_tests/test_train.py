@@ -77,7 +77,7 @@ def make_trainer(model_dir, **options):
 
 def sequence_logprob(trainer, prompt_messages, completion: str, temperature: float = 1.0) -> float:
     """log π(completion | prompt) under the trainer's current policy (EOS appended)."""
-    from sptool.models.hf import render_prompt
+    from sptool.models.tokenizer import render_prompt
 
     tokenizer = trainer.tokenizer
     prompt_ids = tokenizer(render_prompt(tokenizer, prompt_messages), add_special_tokens=False)["input_ids"]
@@ -415,7 +415,7 @@ def test_old_logprobs_equal_to_current_give_the_ratio_one_update(random_model_di
 def test_response_prefix_is_prompt_and_a_stop_string_gets_no_eos(random_model_dir):
     """A prompt ending in an assistant message (response prefix) renders with it, so the prefix
     that begins each completion is scored as prompt, not trained; a stop-string end adds no EOS."""
-    from sptool.models.hf import render_prompt
+    from sptool.models.tokenizer import render_prompt
 
     trainer = make_trainer(random_model_dir)
     tokenizer = trainer.tokenizer

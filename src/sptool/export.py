@@ -80,7 +80,7 @@ def _merge_adapter(checkpoint: Path, staging: Path) -> str:
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM
 
-    from sptool.models.hf import load_tokenizer
+    from sptool.models.tokenizer import load_tokenizer
 
     base = PeftConfig.from_pretrained(str(checkpoint)).base_model_name_or_path
     model = AutoModelForCausalLM.from_pretrained(base)

@@ -29,6 +29,7 @@ from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, spli
 from sptool.models.hf_decoding import (FinishedRows, LogprobRecorder, TokenProgress, bucket_length, bucket_rows,
                                        regional_compile_off)
 from sptool.models.resolve import resolve_model
+from sptool.models.tokenizer import load_tokenizer, render_prompt
 from sptool.core.records import RuntimeFailure, UsageError
 
 MAX_CACHES = 4          # static caches kept between calls (least recently used dropped first)
@@ -69,30 +70,6 @@ def shared_sampler_autocast(dtype: str | None, device: str):
     name = DEFAULT_SHARED_SAMPLER_DTYPE if dtype in (None, "", "auto") else dtype
     chosen = pick_dtype(name, device)
     return None if chosen == torch.float32 else chosen
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    return tokenizer
-
-
-def render_prompt(tokenizer, prompt: Prompt, chat_template: bool = True) -> str:
-    """The exact text the model sees: chat template with generation prompt, or plain text, then
-    the response prefix (a trailing assistant message) if any.
-
-    Shared by every backend and by ``train-step`` so training scores exactly what was sampled.
-    """
-    messages, prefix = split_response_prefix(prompt)
-    if isinstance(messages, str):
-        return messages + prefix
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefix
-    return "\n\n".join(message["content"] for message in messages) + "\n\n" + prefix
 
 
 class HFBackend:

@@ -75,7 +75,7 @@ class OpenAIBackend(HTTPClient):
 
     def _local_tokenizer(self, model: str):
         """The model's tokenizer when it is available locally (else the chat endpoint is used)."""
-        from sptool.models.hf import load_tokenizer
+        from sptool.models.tokenizer import load_tokenizer
         from sptool.models.resolve import resolve_model
 
         try:
@@ -132,7 +132,7 @@ class OpenAIBackend(HTTPClient):
         return ids
 
     def render(self, prompt: Prompt) -> str:
-        from sptool.models.hf import render_prompt
+        from sptool.models.tokenizer import render_prompt
 
         return render_prompt(self.tokenizer, prompt, self.chat_template)
 

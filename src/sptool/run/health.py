@@ -84,7 +84,6 @@ def duplicate_shares(questions: list[str], earlier=None) -> tuple[float | None, 
     return within / len(questions), against
 
 
-HealthThresholds = HealthConfig  # the alarm levels are the [health] section's (each off at its default)
 
 
 def collapse_reasons(health: dict, thresholds: HealthConfig) -> list[str]:

@@ -72,7 +72,7 @@ class PolicyModel:
         import transformers
         from transformers import AutoModelForCausalLM
 
-        from sptool.models.hf import load_tokenizer
+        from sptool.models.tokenizer import load_tokenizer
         from sptool.models.resolve import resolve_model
 
         transformers.utils.logging.disable_progress_bar()

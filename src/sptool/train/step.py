@@ -5,7 +5,7 @@ own short torch loop (``sptool train-step``):
 
 1. each training group (``prompt``, ``completions``, ``rewards``, optional ``advantages``,
    ``old_logprobs``, ``finish_reasons``) becomes sequences ``prompt tokens + completion tokens``;
-   the prompt is rendered by :func:`sptool.models.hf.render_prompt` (the function generation
+   the prompt is rendered by :func:`sptool.models.tokenizer.render_prompt` (the function generation
    uses) and tokenized alone, the completion is tokenized after it, and EOS is appended to a
    completion that ended with a stop, so the trainer scores exactly the tokens that were sampled;
 2. per-token weights from :mod:`sptool.train.losses` make the batch loss a plain sum, which is
@@ -154,7 +154,7 @@ class PolicyTrainer(PolicyModel):
         (``stop_strings``) gets no EOS: the sampler did not emit one.
         """
         from sptool.models.base import split_response_prefix
-        from sptool.models.hf import render_prompt
+        from sptool.models.tokenizer import render_prompt
 
         tokenizer = self.tokenizer
         rewards = [float(r) for r in group["rewards"]]
