@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import typer
@@ -17,6 +18,8 @@ def register(app: typer.Typer) -> None:
 
 @common.prompt_options("challenger", "questioner", "synthesis")
 @common.backend_options()
+@common.sampling_options(per="generation")
+@common.stage_io()
 def challenge(
     input_path: Optional[str] = common.InputArg,
     source: str = typer.Option(..., "--from", help="documents (WIST: QA pairs from `corpus fetch` "
@@ -26,10 +29,7 @@ def challenge(
     candidates: int = typer.Option(8, "--candidates",
                                    help="documents: G QA candidates per document; nothing: problems "
                                         "per seed; solutions: G_v variants per correct solution."),
-    temperature: float = common.TemperatureOpt,
-    top_p: float = common.TopPOpt,
-    max_tokens: int = typer.Option(512, "--max-tokens", help="Maximum new tokens per generation."),
-    seed: int = common.SeedOpt,
+    sampling: common.SamplingParams = None,
     prompts_per_call: int = typer.Option(4, "--prompts-per-call",
                                          help="documents, solutions: prompts per backend call "
                                               "(each with --candidates samples)."),
@@ -46,9 +46,7 @@ def challenge(
     max_document_chars: int = typer.Option(MAX_DOCUMENT_CHARS, "--max-document-chars",
                                            help="documents: truncate longer documents in the prompt."),
     logprobs: bool = common.LogprobsOpt,
-    quiet: bool = common.QuietOpt,
-    skip_invalid: bool = common.SkipInvalidOpt,
-    rejects: Optional[str] = common.RejectsOpt,
+    stage_io: common.StageIO = None,
     backend_options: common.BackendOptions = None,
     prompt_options: common.PromptOptions = None,
 ) -> None:
@@ -58,14 +56,11 @@ def challenge(
     sptool challenge --from nothing --candidates 8 | sptool challenge --from solutions verified.jsonl
     """
     from sptool.stages.challenge import MODES, make_challenge_stage
-    from sptool.models.base import SamplingParams
 
     spec = prompt_options.load(MODES.get(source).role)
     options: dict = dict(candidates=candidates, prompt=spec,
                          batch_size=group_size if source == "nothing" else prompts_per_call,
-                         params=SamplingParams(temperature=temperature, top_p=top_p,
-                                               max_new_tokens=max_tokens, seed=seed,
-                                               logprobs=logprobs))
+                         params=dataclasses.replace(sampling, logprobs=logprobs))
     records = None
     if source == "solutions":
         from sptool.settings import parse_band
@@ -78,7 +73,6 @@ def challenge(
         options.update(unseeded=input_path is None)
         if input_path is None:
             records, input_path = iter(()), "<empty seed>"
-    engine = backend_options.load(quiet)
+    engine = backend_options.load(stage_io.quiet)
     stage = make_challenge_stage(source, engine, **options)
-    common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
-                     skip_invalid=skip_invalid, rejects=rejects, records=records)
+    stage_io.run(stage, input_path=input_path, output=output, records=records)

@@ -12,7 +12,7 @@ import inspect
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional
 
 import typer
 from rich.console import Console
@@ -21,6 +21,9 @@ from sptool.core.fsguard import check_outputs
 from sptool.core.jsonl import AtomicJsonlWriter, read_records, source_name
 from sptool.core.records import InputError
 from sptool.core.stage import Stage
+
+if TYPE_CHECKING:
+    from sptool.models.base import SamplingParams
 
 err_console = Console(stderr=True, highlight=False)
 
@@ -153,22 +156,64 @@ def prompt_options(*roles: str) -> Callable[[Callable], Callable]:
     return _option_group("prompt_options", parameters, PromptOptions)
 
 
+def _sampling_params(temperature: float, top_p: float, max_tokens: int, seed: int):
+    from sptool.models.base import SamplingParams
+
+    return SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens, seed=seed)
+
+
+def sampling_options(per: str) -> Callable[[Callable], Callable]:
+    """Decorator: add ``--temperature``, ``--top-p``, ``--max-tokens`` and ``--seed`` in place of
+    the command's ``sampling`` parameter and hand them over as one ``sampling:
+    sptool.models.base.SamplingParams``; ``--max-tokens``'s help counts the tokens per ``per``."""
+    max_tokens = typer.Option(512, "--max-tokens", help=f"Maximum new tokens per {per}.")
+    return _option_group("sampling", {
+        "temperature": (float, TemperatureOpt), "top_p": (float, TopPOpt), "max_tokens": (int, max_tokens),
+        "seed": (int, SeedOpt)}, _sampling_params)
+
+
+@dataclass
+class StageIO:
+    """How a stage command treats its records: ``--quiet``, ``--skip-invalid``, ``--rejects``."""
+
+    quiet: bool = False
+    skip_invalid: bool = False
+    rejects: Optional[str] = None
+
+    def run(self, stage: Stage, *, input_path: Optional[str], output: Optional[str], **extra: Any) -> None:
+        """:func:`run_stage` with these flags."""
+        run_stage(stage, input_path=input_path, output=output, quiet=self.quiet,
+                  skip_invalid=self.skip_invalid, rejects=self.rejects, **extra)
+
+
+def stage_io() -> Callable[[Callable], Callable]:
+    """Decorator: add ``--quiet``, ``--skip-invalid`` and ``--rejects`` in place of the command's
+    ``stage_io`` parameter and hand them over as one ``stage_io: StageIO``."""
+    return _option_group("stage_io", {"quiet": (bool, QuietOpt), "skip_invalid": (bool, SkipInvalidOpt),
+                                      "rejects": (Optional[str], RejectsOpt)}, StageIO)
+
+
 def _option_group(keyword: str, parameters: dict[str, tuple[Any, Any]], build: Callable) -> Callable:
     """The decorator that adds ``parameters`` to a typer command and hands them over as one
-    ``keyword`` argument, ``build(**values)``."""
+    ``keyword`` argument, ``build(**values)``. The options take the place of the command's
+    ``keyword`` parameter (so ``--help`` lists them there)."""
 
     def decorate(command: Callable) -> Callable:
         signature = inspect.signature(command)
-        own = [p for name, p in signature.parameters.items() if name != keyword]
-        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+        own = list(signature.parameters)
+        at = own.index(keyword) if keyword in own else len(own)  # the options stand where the group does
+        kind = signature.parameters[keyword].kind if keyword in own else inspect.Parameter.KEYWORD_ONLY
+        added = [inspect.Parameter(name, kind, default=option, annotation=annotation)
                  for name, (annotation, option) in parameters.items()]
+        kept = [p for name, p in signature.parameters.items() if name != keyword]
 
         @functools.wraps(command)
         def wrapper(*args, **kwargs):
             group = build(**{name: kwargs.pop(name) for name in parameters})
             return command(*args, **{keyword: group}, **kwargs)
 
-        wrapper.__signature__ = signature.replace(parameters=own + added)  # type: ignore[attr-defined]
+        wrapper.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=kept[:at] + added + kept[at:])
         annotations = {k: v for k, v in command.__annotations__.items() if k != keyword}
         wrapper.__annotations__ = {**annotations, **{name: a for name, (a, _) in parameters.items()}}
         return wrapper

@@ -17,6 +17,7 @@ def register(app: typer.Typer) -> None:
 
 
 @corpus_app.command("fetch")
+@common.stage_io()
 def fetch(
     input_path: Optional[str] = common.InputArg,
     output: str = common.OutputOpt,
@@ -57,9 +58,7 @@ def fetch(
     dedup: float = typer.Option(0.9, "--dedup", help="Near-duplicate similarity threshold (0–1)."),
     pool: Optional[str] = typer.Option(None, "--pool", help="Per-leaf pool directory, reused across runs."),
     refresh: bool = typer.Option(False, "--refresh", help="Search and fetch again even when the pool covers a leaf."),
-    quiet: bool = common.QuietOpt,
-    skip_invalid: bool = common.SkipInvalidOpt,
-    rejects: Optional[str] = common.RejectsOpt,
+    stage_io: common.StageIO = None,
 ) -> None:
     """Documents for each path record ('leaf') or query record ('query') from a search backend."""
     from sptool.stages.corpus.fetch import DEFAULT_USER_AGENT, Fetcher
@@ -84,11 +83,10 @@ def fetch(
                       concurrency=concurrency, per_host_delay=delay,
                       user_agent=user_agent or DEFAULT_USER_AGENT)
     title_encoder = None if encoder.lower() == "none" else SentenceTransformerEncoder(encoder)
-    log = None if quiet else (lambda message: common.err_console.print(message, markup=False,
+    log = None if stage_io.quiet else (lambda message: common.err_console.print(message, markup=False,
                                                                        soft_wrap=True))
     stage = CorpusFetchStage(backend, fetcher, encoder=title_encoder, tau_emb=tau_emb,
                              results_per_query=results, query_from=query_from, min_chars=min_chars,
                              lang=lang, dedup_threshold=dedup,
                              pool=LeafPool(pool) if pool else None, refresh=refresh, log=log)
-    common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
-                     skip_invalid=skip_invalid, rejects=rejects)
+    stage_io.run(stage, input_path=input_path, output=output)

@@ -13,6 +13,7 @@ def register(app: typer.Typer) -> None:
     app.command("decontaminate")(decontaminate)
 
 
+@common.stage_io()
 def decontaminate(
     input_path: Optional[str] = common.InputArg,
     benchmarks: List[str] = typer.Option(..., "-b", "--benchmark",
@@ -34,9 +35,7 @@ def decontaminate(
                                       help="Keep contaminated questions, marked \"valid\": false with the "
                                            "reason (self-play: the questioner is penalised as for any "
                                            "invalid question); documents are still dropped."),
-    quiet: bool = common.QuietOpt,
-    skip_invalid: bool = common.SkipInvalidOpt,
-    rejects: Optional[str] = common.RejectsOpt,
+    stage_io: common.StageIO = None,
 ) -> None:
     """Drop records whose 'question' (or WIST document 'text') overlaps a benchmark problem.
 
@@ -51,5 +50,4 @@ def decontaminate(
                        ngram=ngram, min_words=min_words,
                        threshold=None if no_minhash else minhash_threshold)
     stage = DecontaminateStage(index, mark_invalid=mark_invalid)
-    common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
-                     skip_invalid=skip_invalid, rejects=rejects)
+    stage_io.run(stage, input_path=input_path, output=output)

@@ -26,6 +26,7 @@ def benchmark_names(paths: List[str]) -> List[str]:
 
 @common.prompt_options("solve")
 @common.backend_options()
+@common.sampling_options(per="sample")
 def evaluate(
     benchmarks: List[str] = typer.Argument(..., help="Benchmark problem sets: JSONL (question, answer), "
                                            "parquet, JSON, CSV, a datasets directory (DIR[@SPLIT]) or "
@@ -35,10 +36,7 @@ def evaluate(
     answer_field: Optional[str] = common.AnswerFieldOpt,
     samples: int = typer.Option(8, "-k", "--samples", help="Samples per problem (n of pass@k)."),
     pass_at: str = typer.Option("1,8", "--pass-at", help="Comma-separated k values for pass@k (<= samples)."),
-    temperature: float = common.TemperatureOpt,
-    top_p: float = common.TopPOpt,
-    max_tokens: int = typer.Option(512, "--max-tokens", help="Maximum new tokens per sample."),
-    seed: int = common.SeedOpt,
+    sampling: common.SamplingParams = None,
     no_greedy: bool = typer.Option(False, "--no-greedy", help="Skip the greedy-accuracy pass."),
     workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", envvar="SPTOOL_WORKERS",
                                 help="Grading processes (as in verify)."),
@@ -54,7 +52,6 @@ def evaluate(
 
     from sptool.stages.evaluate import evaluate_benchmark, parse_ks
     from sptool.core.jsonl import AtomicJsonlWriter
-    from sptool.models.base import SamplingParams
     from sptool.stages.problemsets import read_problems
     from sptool.stages.problemsets.columns import Mapping
     from sptool.core.records import LABELLED
@@ -63,7 +60,7 @@ def evaluate(
     mapping = Mapping(preset or "", question_field or "", answer_field or "").check()
     ks = parse_ks(pass_at)
     spec = prompt_options.load("solve")
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens, seed=seed)
+    params = sampling
     records_by_name = {name: read_problems(path, LABELLED, mapping, need_answer=True,  # no answer: file:line
                                            allow_empty=True)
                        for name, path in zip(benchmark_names(benchmarks), benchmarks)}

@@ -27,6 +27,7 @@ def _help(who: str, options: type, name: str) -> str:
     return f"{who}: {help_text(options, name)}."
 
 
+@common.stage_io()
 def filter_command(
     input_path: Optional[str] = common.InputArg,
     recipe: str = typer.Option(..., "--recipe", "-r", envvar="SPTOOL_RECIPE",
@@ -69,9 +70,7 @@ def filter_command(
         False, "--negative-synthesis-reward", help=_help("svs", SvsOptions, "negative_synthesis")),
     keep_equal_groups: bool = typer.Option(
         False, "--keep-equal-groups", help=_help("rlvr", RlvrOptions, "keep_equal_groups")),
-    quiet: bool = common.QuietOpt,
-    skip_invalid: bool = common.SkipInvalidOpt,
-    rejects: Optional[str] = common.RejectsOpt,
+    stage_io: common.StageIO = None,
 ) -> None:
     """Turn verified records into training groups (role, prompt, completions, rewards, advantages)."""
     from sptool.filter import FILTERS
@@ -106,8 +105,7 @@ def filter_command(
             stage = filter_class(options, replay=read_records(replay), replay_source=replay, **common_options)
         else:
             stage = filter_class(options, **common_options)
-    common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
-                     skip_invalid=skip_invalid, rejects=rejects)
+    stage_io.run(stage, input_path=input_path, output=output)
 
 
 def refuse_foreign(given: dict, recipe: str, own: set[str], mode: str = "") -> None:

@@ -17,6 +17,7 @@ def register(app: typer.Typer) -> None:
     "tiny", "-m", "--model", envvar="SPTOOL_JUDGE_MODEL",
     help="Frozen judge model (R-Quest: the base model): HF id, local directory, or 'tiny'."))
 @common.prompt_options("novelty")
+@common.stage_io()
 def novelty(
     input_path: Optional[str] = common.InputArg,
     output: str = common.OutputOpt,
@@ -27,11 +28,9 @@ def novelty(
                                                   "a batch (the whole input up to this cap)."),
     seed: int = common.SeedOpt,
     max_tokens: int = typer.Option(16, "--max-tokens", help="Maximum new tokens per judgement."),
-    quiet: bool = common.QuietOpt,
-    skip_invalid: bool = common.SkipInvalidOpt,
-    rejects: Optional[str] = common.RejectsOpt,
-    backend_options: common.BackendOptions = None,
+    stage_io: common.StageIO = None,
     prompt_options: common.PromptOptions = None,
+    backend_options: common.BackendOptions = None,
 ) -> None:
     """Mark each candidate question novel or not: sampled partners, greedy yes/no judge.
 
@@ -40,9 +39,8 @@ def novelty(
     """
     from sptool.stages.novelty import NoveltyStage
 
-    judge = backend_options.load(quiet)
+    judge = backend_options.load(stage_io.quiet)
     stage = NoveltyStage(judge, k=partners, batch_size=candidates_per_batch, seed=seed,
                          max_new_tokens=max_tokens,
                          prompt=prompt_options.load("novelty"))
-    common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
-                     skip_invalid=skip_invalid, rejects=rejects)
+    stage_io.run(stage, input_path=input_path, output=output)

@@ -22,6 +22,7 @@ def register(app: typer.Typer) -> None:
 
 
 @posterior_app.command("update")
+@common.stage_io()
 def update(
     input_path: Optional[str] = common.InputArg,
     tree_path: str = typer.Option(..., "--tree", "-t", envvar="SPTOOL_TREE", help="The tree JSON file."),
@@ -33,9 +34,7 @@ def update(
     group_threshold: float = typer.Option(REFERENCE_GROUP_THRESHOLD, "--group-threshold",
                                           help="Reference rule: threshold on the group's max challenger reward."),
     sigma: float = typer.Option(WIST_SIGMA, "--sigma", help="Reference rule: challenger reward width σ (eq. 14)."),
-    quiet: bool = common.QuietOpt,
-    skip_invalid: bool = common.SkipInvalidOpt,
-    rejects: Optional[str] = common.RejectsOpt,
+    stage_io: common.StageIO = None,
 ) -> None:
     """Append g to the window of every node on each verdict's path; records pass through with 'g'.
 
@@ -52,5 +51,4 @@ def update(
         if stage.observations:
             save_tree(tree, tree_path)
 
-    common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
-                     skip_invalid=skip_invalid, rejects=rejects, before_commit=save)
+    stage_io.run(stage, input_path=input_path, output=output, before_commit=save)

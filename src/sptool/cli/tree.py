@@ -89,8 +89,8 @@ def expand(
     rejects: Optional[str] = typer.Option(None, "--rejects",
                                           help="Also write rejected proposals (with 'reason') here as JSONL."),
     quiet: bool = common.QuietOpt,
-    backend_options: common.BackendOptions = None,
     prompt_options: common.PromptOptions = None,
+    backend_options: common.BackendOptions = None,
 ) -> None:
     """Thompson-sample B root-to-leaf paths (JSONL path records), growing the tree at 'unk'.
 

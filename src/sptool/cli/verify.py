@@ -14,6 +14,7 @@ def register(app: typer.Typer) -> None:
     app.command("verify")(verify)
 
 
+@common.stage_io()
 def verify(
     input_path: Optional[str] = common.InputArg,
     output: str = common.OutputOpt,
@@ -24,14 +25,11 @@ def verify(
     pseudo_label: bool = typer.Option(False, "--pseudo-label",
                                       help="Ignore 'answer' and grade against the majority answer."),
     require_boxed: bool = common.RequireBoxedOpt,
-    quiet: bool = common.QuietOpt,
-    skip_invalid: bool = common.SkipInvalidOpt,
-    rejects: Optional[str] = common.RejectsOpt,
+    stage_io: common.StageIO = None,
 ) -> None:
     """Grade solved questions: per-sample answer/correct, p_hat, var, majority, invalid_frac."""
     from sptool.stages.verify import VerifyStage
 
     stage = VerifyStage(workers=workers, deadline_s=deadline, pseudo_label=pseudo_label,
                         require_boxed=require_boxed)
-    common.run_stage(stage, input_path=input_path, output=output, quiet=quiet,
-                     skip_invalid=skip_invalid, rejects=rejects)
+    stage_io.run(stage, input_path=input_path, output=output)
