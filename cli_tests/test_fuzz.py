@@ -133,7 +133,7 @@ def test_record_kinds_refuse_or_accept_writable_records(kind_name, tmp_path):
         base = {"prompt": [{"role": "user", "content": "2+2?"}], "completions": ["4", "5"],
                 "rewards": [1.0, 0.0], "advantages": [1.0, -1.0], "old_logprobs": [[-0.5], [-0.7]]}
     elif kind_name == "METRICS_LINE":
-        from sptool.report import METRICS_LINE as kind
+        from sptool.run.report import METRICS_LINE as kind
         base = {"iteration": 1, "stage": "train", "kind": "train", "records": 2, "wall_s": 0.5,
                 "roles": {"solver": {"groups_with_signal": 1}}}
     else:

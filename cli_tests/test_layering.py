@@ -29,8 +29,8 @@ LAYERS: list[tuple[str, ...]] = [
     # 3 the stages the command line exposes (one module or package each)
     ("stages",),
     # 4 typed settings and their limits (they name the objectives and backends), training groups,
-    # training, reports, processes
-    ("settings", "filter", "train", "report", "distributed", "serve"),
+    # training, processes
+    ("settings", "filter", "train", "distributed", "serve"),
     # 5 the executor (knows no recipe)
     ("run", "export"),
     # 6 the papers' loops

@@ -483,7 +483,7 @@ def test_report_on_a_non_run_dir_is_a_usage_error(tmp_path):
 
 
 def test_report_series_average_per_iteration():
-    from sptool.report import series
+    from sptool.run.report import series
 
     lines = [{"iteration": 1, "stage": "q1-filter", "kind": "filter", "mean_reward": {"questioner": 0.2}},
              {"iteration": 1, "stage": "s-filter", "kind": "filter", "mean_reward": {"questioner": 0.4, "solver": 1.0}},
@@ -522,7 +522,7 @@ def test_tiny_recipe_completes_with_the_real_model(recipe, tmp_path):
     # the algorithm did its job, not just finished: every role trained on at least one group
     # with a learning signal (a non-zero advantage) in every iteration (R-Quest: also in the
     # validity initialisation, iteration 0)
-    from sptool.report import load_metrics, outcome_counts, question_outcomes, training_signal
+    from sptool.run.report import load_metrics, outcome_counts, question_outcomes, training_signal
 
     lines, _ = load_metrics(run_dir)
     signal = training_signal(lines)

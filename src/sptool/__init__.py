@@ -25,7 +25,7 @@ MOVED = {
     "decontaminate": "stages.decontaminate", "evaluate": "stages.evaluate",
     "problemsets": "stages.problemsets", "challenge": "stages.challenge", "tree": "stages.tree",
     "corpus": "stages.corpus", "titles": "stages.tree.title_sources", "tree_plot": "stages.tree.plot",
-    "limits": "settings.limits", "cli.limits": "settings.limits", "run.faults": "core.faults",
+    "limits": "settings.limits", "report": "run.report", "cli.limits": "settings.limits", "run.faults": "core.faults",
 }
 
 

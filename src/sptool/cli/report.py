@@ -22,7 +22,7 @@ def report(
     """Write PNG plots (rewards, accuracy, validity/novelty, diversity, WIST tree posteriors), a
     page of example generated questions (questions.md: kept and rejected, with the reason) and
     print a text summary on stdout."""
-    from sptool.report import guard_metrics, summary_text, write_plots, write_question_page
+    from sptool.run.report import guard_metrics, summary_text, write_plots, write_question_page
 
     text = guard_metrics(run_dir, lambda: summary_text(run_dir))
     if not no_plots:

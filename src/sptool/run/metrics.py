@@ -10,7 +10,7 @@ from collections import defaultdict
 from typing import Any, Callable
 
 from sptool import rewards as R
-from sptool.report import mean
+from sptool.run.report import mean
 
 
 def question_diversity(questions: list[str]) -> dict:

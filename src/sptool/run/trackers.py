@@ -134,7 +134,7 @@ class TrackerLog:
         if self._plots is not None:
             paths = self._plots(self.run_dir)
         else:
-            from sptool.report import write_plots
+            from sptool.run.report import write_plots
 
             paths = write_plots(self.run_dir)
         if not paths:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from sptool.core.records import Field, InputError, RecordKind, UsageError, describe
+from sptool.run.run_dir import StepKey
 
 
 def _roles_check(value: dict) -> str | None:
@@ -343,7 +344,7 @@ def question_outcomes(run_dir: str | Path) -> list[dict]:
         entry = stages.get(key)
         if entry is None:
             continue
-        iteration = int(key.split("/", 1)[0].split("-")[-1]) if key.startswith("iter-") else 0
+        iteration = StepKey.parse(key).iteration if key.startswith("iter-") else 0
         kind = entry.get("kind")
         if kind == "challenge":
             records = _step_records(run_dir, entry)
