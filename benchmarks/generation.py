@@ -242,7 +242,7 @@ def bare_replay(backend, calls) -> tuple[float, int, int]:
 def stage_workloads(batch: int, max_tokens: int):
     """(stage, recipe, build) for every generating stage inside `sptool run`: ``build(backend)``
     returns the stage and its input records, one backend batch (``batch`` sequences) each."""
-    from sptool.stages.challenge import DocumentChallengeStage, NothingChallengeStage, SolutionChallengeStage
+    from sptool.stages.challenge import DocumentChallengeStage, QuestionerStage, SolutionChallengeStage
     from sptool.models.base import SamplingParams
     from sptool.stages.novelty import NoveltyStage
     from sptool.prompts import prompt_spec
@@ -276,7 +276,7 @@ def stage_workloads(batch: int, max_tokens: int):
         ("validity", "rquest", lambda b: (SolveStage(
             b, samples=k, mode="validity", params=sampled(), batch_size=groups,
             prompt=prompt_spec(configs["rquest"], "validity")), problems[:groups])),
-        ("questioner", "rzero/rquest", lambda b: (NothingChallengeStage(
+        ("questioner", "rzero/rquest", lambda b: (QuestionerStage(
             b, unseeded=True, candidates=min(batch, 4 * questioner_group), params=sampled(),
             batch_size=questioner_group, prompt=prompt_spec(configs["rzero"], "questioner")), [])),
         ("challenger", "wist", lambda b: (DocumentChallengeStage(

@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="folder for the records (default: none written)")
     args = parser.parse_args()
 
-    from sptool.stages.challenge import NothingChallengeStage
+    from sptool.stages.challenge import QuestionerStage
     from sptool.models.base import SamplingParams, load_backend
     from sptool.stages.solve import SolveStage
     from sptool.stages.verify import VerifyStage
@@ -57,9 +57,9 @@ def main() -> None:
     try:
         for name in args.prompts.split(","):
             start = time.monotonic()
-            stage = NothingChallengeStage(backend, candidates=args.samples, batch_size=args.group, prompt=name,
-                                          params=SamplingParams(temperature=1.0, max_new_tokens=args.max_tokens,
-                                                                seed=args.seed))
+            stage = QuestionerStage(backend, candidates=args.samples, batch_size=args.group, prompt=name,
+                                    params=SamplingParams(temperature=1.0, max_new_tokens=args.max_tokens,
+                                                          seed=args.seed))
             questions = list(stage.run(iter(())))
             asked = time.monotonic() - start
             valid = [dict(q, answer=q["questioner_answer"]) for q in questions if q["valid"]]

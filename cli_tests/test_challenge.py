@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import FIXTURES, read_jsonl, write_jsonl
-from sptool.stages.challenge import (DocumentChallengeStage, NothingChallengeStage, SolutionChallengeStage,
+from sptool.stages.challenge import (DocumentChallengeStage, QuestionerStage, SolutionChallengeStage,
                               check_challenger_output, gamma_validate,
                               parse_challenger_json, parse_questioner_output, parse_variant_output,
                               refers_to_document)
@@ -219,7 +219,7 @@ def test_nothing_mode_groups_and_labels(cli, tmp_path):
 
 def test_nothing_mode_with_topic_seeds():
     backend = ScriptedBackend(responder=lambda prompt, i: f"<question>Q{i} about {prompt[-40:]}</question> \\boxed{{{i}}}")
-    stage = NothingChallengeStage(backend, candidates=2, batch_size=2, unseeded=False)
+    stage = QuestionerStage(backend, candidates=2, batch_size=2, unseeded=False)
     out = list(stage.run(iter([{"id": "t1", "topic": "modular arithmetic", "path_id": "p1"},
                                {"leaf": "graph colouring"}])))
     assert len(out) == 4

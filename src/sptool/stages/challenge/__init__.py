@@ -43,8 +43,6 @@ from sptool.stages.challenge.questioner import (  # noqa: F401
 from sptool.stages.challenge.solutions import (  # noqa: F401
     SolutionChallengeStage, VERIFIED, _correct_flags_check)
 
-NothingChallengeStage = QuestionerStage  # its old name (after the flag value --from nothing)
-
 MODES: Registry[type[Stage]] = Registry("challenge mode (--from)", {
     "documents": DocumentChallengeStage, "nothing": QuestionerStage,
     "solutions": SolutionChallengeStage})
