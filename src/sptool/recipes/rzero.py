@@ -138,21 +138,29 @@ class RZero(Recipe):
     prompt_roles = ("solve", "questioner")
 
     def plan(self, iteration: int) -> list[Step]:
-        c = self.c
         steps: list[Step] = []
-        for step in range(1, c.questioner_steps + 1):        # 1. the questioner learns
-            p = f"q{step}-"
-            steps += self.propose(p, c.questions, trained=True)
+        for p in self.questioner_updates():                   # 1. the questioner learns
+            steps += self.propose(p, self.c.questions, trained=True)
             steps += self.vote(p, after=f"{p}challenge", only=marked_valid)
             steps += self.train_questioner(p, after=f"{p}verify")
-        steps += self.propose("s-", c.solver_questions, trained=False)   # 2. the round's pool
+        steps += self.propose("s-", self.c.solver_questions, trained=False)   # 2. the round's pool
         steps += self.vote("s-", after="s-challenge", only=marked_valid)
-        steps += self.pool_of("s-", after="s-verify")
-        for step in range(1, c.solver_steps + 1):            # 3. the solver learns
-            steps += self.train_solver(step)
-        return steps
+        return steps + self.pool_and_solver_updates()        # 3. the solver learns
 
     # -- the pieces of a round, each a list of steps ----------------------------------------------
+
+    def questioner_updates(self) -> list[str]:
+        """The step-name prefixes of the round's ``questioner_steps`` questioner updates: q1-, q2-, …"""
+        return [f"q{step}-" for step in range(1, self.c.questioner_steps + 1)]
+
+    def pool_and_solver_updates(self) -> list[Step]:
+        """The end of a round, the same in R-Zero and R-Quest: the round's pool from the voted
+        questions (``s-verify``), then ``solver_steps`` solver updates on it (R-Quest's replay is
+        inside each, :meth:`replay_problems`)."""
+        steps = self.pool_of("s-", after="s-verify")
+        for step in range(1, self.c.solver_steps + 1):
+            steps += self.train_solver(step)
+        return steps
 
     def propose(self, p: str, questions: int, trained: bool) -> list[Step]:
         """The questioner writes ``questions`` questions from nothing (``trained``: with their
@@ -283,22 +291,17 @@ class RQuest(RZero):
         return steps
 
     def plan(self, iteration: int) -> list[Step]:
-        c = self.c
         steps: list[Step] = []
-        for step in range(1, c.questioner_steps + 1):        # 1. the questioner learns
-            p = f"q{step}-"
-            steps += self.propose(p, c.questions, trained=True)
+        for p in self.questioner_updates():                   # 1. the questioner learns
+            steps += self.propose(p, self.c.questions, trained=True)
             steps += self.judge_validity(p, after=f"{p}challenge")
             steps += self.vote(p, after=f"{p}verify-validity", only=passes_the_validity_gate)
             steps += self.judge_novelty(p, after=f"{p}verify")
             steps += self.train_questioner(p, after=f"{p}novelty")
-        steps += self.propose("s-", c.solver_questions, trained=False)   # 2. the round's pool
+        steps += self.propose("s-", self.c.solver_questions, trained=False)   # 2. the round's pool
         steps += self.judge_validity("s-", after="s-challenge")
         steps += self.vote("s-", after="s-verify-validity", only=passes_the_validity_gate)
-        steps += self.pool_of("s-", after="s-verify")
-        for step in range(1, c.solver_steps + 1):            # 3. the solver learns (with replay)
-            steps += self.train_solver(step)
-        return steps
+        return steps + self.pool_and_solver_updates()        # 3. the solver learns (with replay)
 
     # -- the gates and the initialisation, each a list of steps ---------------------------------
 
