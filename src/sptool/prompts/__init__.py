@@ -39,17 +39,24 @@ from sptool.core.records import InputError, UsageError
 _PLACEHOLDER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
 
 
-@dataclass(frozen=True)
-class Packaged:
-    """A packaged prompt: its template file and its defaults."""
+@dataclass(frozen=True, kw_only=True)
+class ReplyShape:
+    """How a prompt's reply is shaped: the response prefix and stop strings (and the
+    questioner's answer phase); the defaults of a packaged prompt, the settings of a loaded one."""
 
-    file: str
-    summary: str
     prefix: str = ""
     stop: tuple[str, ...] = ()
     answer_prefix: str = ""
     answer_stop: tuple[str, ...] = ()
     answer_max_tokens: int = 16
+
+
+@dataclass(frozen=True)
+class Packaged(ReplyShape):
+    """A packaged prompt: its template file and its defaults."""
+
+    file: str
+    summary: str
 
 
 # role -> (what it is, the fields its template must use, the default packaged name). A solver
@@ -119,17 +126,12 @@ PACKAGED: dict[str, dict[str, Packaged]] = {
 
 
 @dataclass(frozen=True)
-class PromptSpec:
+class PromptSpec(ReplyShape):
     """One role's prompt: template, response prefix, stop strings (and the questioner's answer phase)."""
 
     role: str
     name: str  # the packaged name, or the template file's path
     template: str
-    prefix: str = ""
-    stop: tuple[str, ...] = ()
-    answer_prefix: str = ""
-    answer_stop: tuple[str, ...] = ()
-    answer_max_tokens: int = 16
 
     def messages(self, record: dict, **extra) -> list[dict[str, str]]:
         """The chat messages for one record: the filled user message, then the response prefix
@@ -203,8 +205,7 @@ def load_prompt(role: str, name_or_path: str | None = None, *, prefix: str | Non
         (entry for entry in PACKAGED[role].values() if Path(entry.file).stem == name), None)
     if packaged is not None:
         template = resources.files(__package__).joinpath(packaged.file).read_text(encoding="utf-8")
-        base = dict(prefix=packaged.prefix, stop=packaged.stop, answer_prefix=packaged.answer_prefix,
-                    answer_stop=packaged.answer_stop, answer_max_tokens=packaged.answer_max_tokens)
+        shape: ReplyShape = packaged
     elif _looks_like_path(name):
         path = Path(name)
         if not path.is_file():
@@ -214,13 +215,14 @@ def load_prompt(role: str, name_or_path: str | None = None, *, prefix: str | Non
             template = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"cannot read {role} prompt file {name}: {exc}") from None
-        base = dict(prefix="", stop=(), answer_prefix="", answer_stop=(), answer_max_tokens=16)
+        shape = ReplyShape()
     else:
         from sptool.core.registry import unknown_name_error
 
         raise unknown_name_error(f"{role} prompt", name, PACKAGED[role],
                                  choices=f"Packaged {role} prompts: {', '.join(PACKAGED[role])}; "
                                          "or give a template file path")
+    base = {field.name: getattr(shape, field.name) for field in dataclasses.fields(ReplyShape)}
     missing = [field for field in ROLES[role][1] if field not in template_fields(template)]
     if missing:
         raise UsageError(f"{role} prompt {name} has no {{{missing[0]}}} placeholder; the {role} "
