@@ -145,22 +145,16 @@ class RZero(Recipe):
             steps += self.train_questioner(p, after=f"{p}verify")
         steps += self.propose("s-", self.c.solver_questions, trained=False)   # 2. the round's pool
         steps += self.vote("s-", after="s-challenge", only=marked_valid)
-        return steps + self.pool_and_solver_updates()        # 3. the solver learns
+        steps += self.pool_of("s-", after="s-verify")
+        for step in range(1, self.c.solver_steps + 1):      # 3. the solver learns
+            steps += self.train_solver(step)
+        return steps
 
     # -- the pieces of a round, each a list of steps ----------------------------------------------
 
     def questioner_updates(self) -> list[str]:
         """The step-name prefixes of the round's ``questioner_steps`` questioner updates: q1-, q2-, …"""
         return [f"q{step}-" for step in range(1, self.c.questioner_steps + 1)]
-
-    def pool_and_solver_updates(self) -> list[Step]:
-        """The end of a round, the same in R-Zero and R-Quest: the round's pool from the voted
-        questions (``s-verify``), then ``solver_steps`` solver updates on it (R-Quest's replay is
-        inside each, :meth:`replay_problems`)."""
-        steps = self.pool_of("s-", after="s-verify")
-        for step in range(1, self.c.solver_steps + 1):
-            steps += self.train_solver(step)
-        return steps
 
     def propose(self, p: str, questions: int, trained: bool) -> list[Step]:
         """The questioner writes ``questions`` questions from nothing (``trained``: with their
@@ -301,7 +295,10 @@ class RQuest(RZero):
         steps += self.propose("s-", self.c.solver_questions, trained=False)   # 2. the round's pool
         steps += self.judge_validity("s-", after="s-challenge")
         steps += self.vote("s-", after="s-verify-validity", only=passes_the_validity_gate)
-        return steps + self.pool_and_solver_updates()        # 3. the solver learns (with replay)
+        steps += self.pool_of("s-", after="s-verify")
+        for step in range(1, self.c.solver_steps + 1):      # 3. the solver learns (with replay)
+            steps += self.train_solver(step)
+        return steps
 
     # -- the gates and the initialisation, each a list of steps ---------------------------------
 
