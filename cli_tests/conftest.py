@@ -191,3 +191,19 @@ def pytest_xdist_make_scheduler(config, log):
             return self.units.get(nodeid) or super()._split_scope(nodeid)
 
     return MarkedGroupScheduling(config, log)
+
+
+def assert_same_greedy(reference, prompt, got: list[int], want: list[int], tie: float = 1e-3) -> None:
+    """``got`` equals ``want`` (greedy tokens of ``reference``, an hf backend) token for token,
+    except for a divergence at a genuine tie: ``reference``'s two best logits there within
+    ``tie`` (other kernels may order it differently). Stale weights diverge with real margins
+    and fail."""
+    if got == want:
+        return
+    at = next(i for i, (a, b) in enumerate(zip(got + [None], want + [None])) if a != b)
+    torch = reference._torch
+    ids = reference.tokenizer(reference.render(prompt), add_special_tokens=False)["input_ids"] + want[:at]
+    with torch.inference_mode():
+        logits = reference.model(torch.tensor([ids], device=reference.device)).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    assert float(top[0] - top[1]) < tie, f"greedy tokens differ at {at} without a tie: {got} vs {want}"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, read_jsonl, write_jsonl
+from conftest import FIXTURES, assert_same_greedy, read_jsonl, write_jsonl
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 requires_vllm = pytest.mark.skipif(
@@ -151,21 +151,6 @@ def checkpoints(tiny_model_dir, tmp_path_factory):
 
 
 GREEDY_PROMPTS = [[{"role": "user", "content": "What is 2 + 3?"}], [{"role": "user", "content": "Name a colour."}]]
-
-
-def assert_same_greedy(hf, prompt, got: list[int], want: list[int]) -> None:
-    """``got`` (vLLM) equals hf's greedy ``want`` token for token, except that a divergence is
-    allowed at a genuine tie (hf's two best logits within 1e-3 there: other kernels may order it
-    differently). Stale weights diverge with real margins and fail."""
-    if got == want:
-        return
-    at = next(i for i, (a, b) in enumerate(zip(got + [None], want + [None])) if a != b)
-    torch = hf._torch
-    ids = hf.tokenizer(hf.render(prompt), add_special_tokens=False)["input_ids"] + want[:at]
-    with torch.inference_mode():
-        logits = hf.model(torch.tensor([ids])).logits[0, -1].float()
-    top = torch.topk(logits, 2).values
-    assert float(top[0] - top[1]) < 1e-3, f"greedy tokens differ at {at} without a tie: {got} vs {want}"
 
 
 def hf_greedy(path: str, params) -> tuple[object, list[list[int]]]:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_jsonl, run_sptool
-from test_backends import (HAVE_VLLM, VLLM_ENV, GREEDY_PROMPTS, assert_same_greedy, free_port, hf_greedy,
+from conftest import assert_same_greedy, read_jsonl, run_sptool
+from test_backends import (HAVE_VLLM, VLLM_ENV, GREEDY_PROMPTS, free_port, hf_greedy,
                            requires_vllm)
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]  # GBs each: after the parallel tests, one at a time

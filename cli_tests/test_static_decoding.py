@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import assert_same_greedy
+
 PROMPTS = [[{"role": "user", "content": "What is 2 + 3?"}], [{"role": "user", "content": "Name a colour."}]]
 GROUPS = [{"prompt": PROMPTS[0], "completions": ["The answer is 7, surely.", "5"], "rewards": [1.0, 0.0]},
           {"prompt": PROMPTS[1], "completions": ["Seven is a colour.", "Blue"], "rewards": [1.0, 0.0]}]
@@ -63,21 +65,6 @@ def greedy(backend, params) -> list[list[int]]:
     return [row[0].token_ids for row in backend.generate(PROMPTS, 1, params)]
 
 
-def assert_same_or_tied(reference, prompt, got: list[int], want: list[int], tie: float) -> None:
-    """``got`` equals ``want`` (greedy tokens of ``reference``, the eager backend), except for a
-    divergence at a genuine tie: the two best logits there within ``tie`` (other kernels may
-    order it differently). Stale weights diverge with real margins and fail."""
-    if got == want:
-        return
-    at = next(i for i, (a, b) in enumerate(zip(got + [None], want + [None])) if a != b)
-    torch = reference._torch
-    ids = reference.tokenizer(reference.render(prompt), add_special_tokens=False)["input_ids"] + want[:at]
-    with torch.inference_mode():
-        logits = reference.model(torch.tensor([ids], device=reference.device)).logits[0, -1].float()
-    top = torch.topk(logits, 2).values
-    assert float(top[0] - top[1]) < tie, f"greedy tokens differ at {at} without a tie: {got} vs {want}"
-
-
 def check_update_visibility(tiny_model_dir: str, device: str, compile: bool, tie: float):
     """A trainer and two backends over its one live model: the eager one and the static (or
     compiled) one. The static decoder agrees with eager before and after a large-step update,
@@ -96,13 +83,13 @@ def check_update_visibility(tiny_model_dir: str, device: str, compile: bool, tie
     before = greedy(eager, params)
     fast_before = greedy(fast, params)
     for prompt, got, want in zip(PROMPTS, fast_before, before):
-        assert_same_or_tied(eager, prompt, got, want, tie)
+        assert_same_greedy(eager, prompt, got, want, tie)
     trainer.update(GROUPS)
     after = greedy(eager, params)
     assert after != before, "the update did not change the greedy output: the test proves nothing"
     fast_after = greedy(fast, params)
     for prompt, got, want in zip(PROMPTS, fast_after, after):
-        assert_same_or_tied(eager, prompt, got, want, tie)
+        assert_same_greedy(eager, prompt, got, want, tie)
     assert fast_after != fast_before
     # both calls: 2 prompts -> one 8-row bucket, one cache length: one cache, reset and reused
     assert len(fast.shapes_seen) == 1 and len(fast._caches) == 1 and fast.cache_bytes() > 0
