@@ -44,10 +44,6 @@ def parse_base_urls(base_url: str | list[str] | None) -> list[str]:
     return urls
 
 
-class HTTPFailure(Exception):
-    """A request that failed after its retries (carries a one-line reason)."""
-
-
 class HTTPClient:
     """Requests to OpenAI-compatible servers, mixed into the backend. It reads the backend's
     ``base_urls``, ``timeout``, ``backoff_s``, ``api_key``, ``model_id`` (named in a 404 about the
