@@ -47,6 +47,7 @@ import math
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -468,7 +469,10 @@ def run_trl(settings: Settings, recorder: Recorder) -> None:
     recorder.notes.update(trl=trl.__version__, gradient_checkpointing=config.gradient_checkpointing,
                           per_device_train_batch_size=micro,
                           gradient_accumulation_steps=config.gradient_accumulation_steps)
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)  # TRL's output_dir (nothing is saved there)
 
 
 # ---------------------------------------------------------------------------- (c) sptool run
