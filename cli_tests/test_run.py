@@ -34,7 +34,8 @@ def scripted_run(tmp_path_factory, random_policy):
     def run(recipe: str) -> Path:
         if recipe not in runs:
             run_dir = tmp_path_factory.mktemp(f"scripted-{recipe}") / recipe
-            result = run_sptool(*scripted_args(recipe, run_dir, random_policy), env=ENV)
+            # from a directory of its own: the recipe's shipped files (package:NAME) need no checkout
+            result = run_sptool(*scripted_args(recipe, run_dir, random_policy), env=ENV, cwd=run_dir.parent)
             assert result.returncode == 0, result.stderr
             runs[recipe] = run_dir
         return runs[recipe]

@@ -13,7 +13,7 @@ from sptool.cli import common
 tree_app = typer.Typer(
     help="The WIST domain tree: Thompson-sampled paths over Beta posteriors, grown where 'unk' "
          "is chosen.\n\nExample: sptool tree init --domain mathematics --tree tree.json && "
-         "sptool tree expand --tree tree.json --paths 8 --titles fixtures/titles.txt",
+         "sptool tree expand --tree tree.json --paths 8 --titles package:titles.txt",
     no_args_is_help=True,
 )
 
@@ -62,7 +62,7 @@ def expand(
     seed: int = common.SeedOpt,
     titles: Optional[str] = typer.Option(None, "--titles", envvar="SPTOOL_TITLES",
                                          help="Offline title list (file, one a line) or folder; "
-                                              "use where there is no network (e.g. fixtures/titles.txt)."),
+                                              "use where there is no network (e.g. package:titles.txt, shipped with sptool)."),
     wiki_url: Optional[str] = typer.Option(None, "--wiki-url", envvar="SPTOOL_WIKI_URL",
                                            help="MediaWiki api.php URL (default en.wikipedia.org)."),
     wiki_api: str = typer.Option("search", "--wiki-api", help="search (list=search) or opensearch."),

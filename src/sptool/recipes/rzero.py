@@ -87,7 +87,7 @@ class RQuestConfig(RQuestOptions, RoundConfig):
     novelty_similarity: float = setting(0.6, "the lexical judge's threshold (1.0: the same template "
                                         "with other numbers; unrelated short problems score 0.3-0.5)",
                                         "sptool's choice", above=0, maximum=1)
-    init_data: str = setting("fixtures/validity_init.jsonl", "the labelled validity-initialisation "
+    init_data: str = setting("package:validity_init.jsonl", "the labelled validity-initialisation "
                              "set (answer INVALID for a flawed problem), trained on first and replayed "
                              "in every solver update; sptool ships a 12-problem sample",
                              "R-Quest §3.1, Table 4 (1,943 problems)")

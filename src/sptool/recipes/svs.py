@@ -26,7 +26,7 @@ class SvsConfig(SvsOptions):
     """``[svs]``: the filter's synthesis band and solver reward (:class:`SvsOptions`) and the
     loop's settings. Defaults: SvS §4 "Implementation Details"."""
 
-    data: str = setting("", "labelled problems: JSONL, parquet, JSON, CSV, a datasets directory or hf:NAME[:CONFIG][@SPLIT] (data.* maps columns); --data SOURCE")
+    data: str = setting("", "labelled problems: JSONL, parquet, JSON, CSV, a datasets directory or hf:NAME[:CONFIG][@SPLIT], package:NAME (shipped with sptool) (data.* maps columns); --data SOURCE")
     problems: int = setting(256, "problems sampled per iteration", "SvS §4", minimum=1)
     samples: int = setting(8, "solutions per problem G", "SvS §4", minimum=1)
     variants: int = setting(8, "variants written per correct solution G_v", "SvS §4", minimum=1)

@@ -36,7 +36,7 @@ class WistConfig(WistOptions):
     the WIST hyperparameter table (Appendix D) where it names one."""
 
     domain: str = setting("mathematics", "root label of a new domain tree")
-    tree: str = setting("", "start from this tree file instead of a new one")
+    tree: str = setting("", "start from this tree file instead of a new one (package:NAME: shipped with sptool)")
     max_depth: int = setting(T.DEFAULT_MAX_DEPTH, "tree maximum depth L", "WIST App. D", minimum=1)
     window: int = setting(T.DEFAULT_WINDOW, "sliding window size μ of the posteriors", "WIST App. D",
                           minimum=1)
@@ -61,7 +61,7 @@ class WistConfig(WistOptions):
                                   "code's rule (reference)", "WIST Eq. 15", choices=T.RULES)
     titles: str = setting("", "offline title list for node validation; empty: Wikipedia")
     wiki_url: str = setting("", "MediaWiki API for titles; empty: en.wikipedia.org")
-    search: str = setting("wikipedia", "search engine for documents (wikipedia, local:DIR, …)")
+    search: str = setting("wikipedia", "search engine for documents (wikipedia, local:DIR, local:package:web, …)")
     search_url: str = setting("", "the search engine's URL; empty: its default")
     query_from: str = setting("leaf", "search with the leaf's label or the whole path",
                               choices=("leaf", "path"))

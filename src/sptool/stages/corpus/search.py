@@ -240,14 +240,17 @@ def bm25_scores(query: list[str], documents: list[list[str]], *, k1: float = 1.5
 
 
 class LocalSearch:
-    """``local:PATH``: a folder of HTML/text files or a JSONL corpus, ranked by BM25 on title+text."""
+    """``local:PATH``: a folder of HTML/text files or a JSONL corpus, ranked by BM25 on title+text
+    (``local:package:web``: the sample pages shipped with sptool)."""
 
     name = "local"
 
     def __init__(self, path: str, **_: object):
         if not path:
             raise UsageError("--search local needs a path: local:DIR or local:FILE.jsonl")
-        self.path = Path(path)
+        from sptool.core.packaged import local_path
+
+        self.path = Path(local_path(path))
         if not self.path.exists():
             raise InputError("no such local corpus (folder of .html/.txt files or a JSONL file)",
                              source=f"local:{path}",

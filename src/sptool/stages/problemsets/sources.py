@@ -1,7 +1,7 @@
 """Sources of problem sets: what a spec names (:func:`parse_source`: JSONL, parquet, JSON, CSV, a
-``datasets`` directory, ``hf:NAME``), the raw rows of each format (:func:`iter_rows`), and a
-source's short name and sha256. ``datasets``/pyarrow are imported only for the formats that need
-them."""
+``datasets`` directory, ``hf:NAME``, ``package:NAME`` for a set shipped with sptool), the raw rows
+of each format (:func:`iter_rows`), and a source's short name and sha256. ``datasets``/pyarrow are
+imported only for the formats that need them."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from sptool.core.packaged import PACKAGE_SCHEME, local_path
 from sptool.core.records import InputError, RuntimeFailure, UsageError, describe
 
 DATASETS_HINT = "pip install datasets pyarrow (sptool's own dependencies: reinstall it)"
@@ -49,9 +50,9 @@ def parse_source(spec: str) -> Source:
         return Source(spec, "hf", name=name, config=config or None, split=split)
     if spec in ("-", ""):
         return Source(spec, "jsonl", path="-")
-    path, split = spec, None
-    if not os.path.exists(path) and "@" in spec:
-        head, tail = spec.rsplit("@", 1)
+    path, split = local_path(spec), None
+    if not os.path.exists(path) and "@" in path:
+        head, tail = path.rsplit("@", 1)
         if os.path.isdir(head):
             path, split = head, tail
     if os.path.isdir(path):
@@ -266,6 +267,7 @@ def source_name(spec: str) -> str:
     """A short name for a source: a file's stem, a directory's name, a hub id with its split."""
     if str(spec).startswith("hf:"):
         return str(spec)[3:]
+    spec = str(spec).removeprefix(PACKAGE_SCHEME)
     path = Path(str(spec).split("@")[0] if not os.path.exists(spec) else spec)
     name = path.name
     for suffix in (".gz", ".jsonl", ".json", ".csv", ".parquet", ".pq"):
@@ -290,6 +292,10 @@ def source_sha256(spec: str) -> str | None:
         paths = [Path(f) for f in files]
         root = None
     else:
+        try:
+            spec = local_path(spec)
+        except InputError:  # package:NAME that sptool does not ship
+            return None
         path = Path(spec)
         if not path.exists() and "@" in spec:
             path = Path(spec.rsplit("@", 1)[0])

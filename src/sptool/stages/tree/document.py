@@ -236,8 +236,11 @@ def validate_tree(document: Any, source: str = "<tree>") -> dict:
 
 
 def load_tree(path: str | os.PathLike) -> dict:
-    """Read and validate a tree file; every problem is an :class:`InputError` naming the file."""
-    path = os.fspath(path)
+    """Read and validate a tree file (``package:NAME``: one shipped with sptool); every problem is an
+    :class:`InputError` naming the file."""
+    from sptool.core.packaged import local_path
+
+    path = local_path(os.fspath(path))
     if not os.path.exists(path):
         raise InputError("no such tree file", source=path, hint="create one with `sptool tree init`")
     if os.path.isdir(path):

@@ -101,8 +101,11 @@ class LocalTitles:
 
 
 def load_titles(path: str) -> list[str]:
-    """Titles from a file (one a line, ``#`` comments) or a folder (file stems, ``_`` → space)."""
-    target = Path(path)
+    """Titles from a file (one a line, ``#`` comments) or a folder (file stems, ``_`` → space);
+    ``package:NAME`` names one shipped with sptool."""
+    from sptool.core.packaged import local_path
+
+    target = Path(local_path(os.fspath(path)))
     if not target.exists():
         raise InputError("no such titles file or folder", source=path)
     titles: list[str] = []
