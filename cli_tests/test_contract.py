@@ -232,6 +232,7 @@ def test_stage_table_covers_every_stage_command():
                   "export",              # reads a run directory, writes a model directory
                   "data gym",            # makes records from generators, reads none
                   "serve",               # starts a vLLM server, reads no records
+                  "doctor",              # checks the installation, reads no records
                   "tree init", "tree show", "tree expand"}  # the tree file, not JSONL records
     table = {" ".join(row.path) for row in STAGES}
     assert table <= commands and commands - not_stages == table, sorted(commands - not_stages - table)

@@ -17,8 +17,8 @@ import typer
 from typer.core import TyperGroup
 
 from sptool import __version__
-from sptool.cli import (challenge, corpus, data, decontaminate, eval, export, filter, novelty, posterior,
-                        recipes, report, run, serve, solve, train, tree, verify)
+from sptool.cli import (challenge, corpus, data, decontaminate, doctor, eval, export, filter, novelty,
+                        posterior, recipes, report, run, serve, solve, train, tree, verify)
 from sptool.core.records import SptoolError
 
 
@@ -101,7 +101,7 @@ app = typer.Typer(
     cls=SptoolGroup,
     help="Self-play RL with verifiable rewards, as small JSONL stages.\n\n"
          "Records go to stdout, progress and summaries to stderr. "
-         "Example: sptool solve fixtures/questions.jsonl -k 4 | sptool verify",
+         "Example: sptool solve questions.jsonl -k 4 | sptool verify",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
@@ -111,7 +111,7 @@ app = typer.Typer(
 # One module per command group (sptool/cli/<name>.py), each with register(app). They import
 # nothing heavy themselves: torch & co. load inside the commands.
 COMMAND_MODULES = (solve, verify, challenge, novelty, filter, tree, posterior, corpus, train, run,
-                   recipes, report, export, eval, decontaminate, data, serve)
+                   recipes, report, export, eval, decontaminate, data, serve, doctor)
 for _module in COMMAND_MODULES:
     _module.register(app)
 
