@@ -115,11 +115,13 @@ HEAVY_FIRST = [
     "vllm-engines",                                                  # test_backends
     "test_run.py::test_tiny_recipe_completes_with_the_real_model[wist]",
     "test_readme.py::test_readme_code_blocks_run_in_order",
+    "installed-wheel",                  # test_installed_wheel: build, install, two runs from an empty folder
     "test_run.py::test_tiny_recipe_completes_with_the_real_model[rquest]",
     "test_run.py::test_tiny_recipe_completes_with_the_real_model[rzero]",
     "test_run.py::test_tiny_recipe_completes_with_the_real_model[svs]",
     "test_run.py::test_tiny_recipe_completes_with_the_real_model[rlvr]",
     "scripted-rquest", "scripted-svs", "scripted-wist",              # test_run: shared scripted runs
+    "test_precision.py::test_the_first_update_from_a_rollout_has_ratio_one_and_the_gap_is_measured",  # ≈ 2.5 min
 ]
 
 

@@ -209,3 +209,133 @@ def test_a_training_group_is_trained_on_the_tokens_it_sampled(random_policy):
     assert first.completion_ids == split and first.old_logprobs == [-1.0] * len(split)
     without = trainer.encode_group({k: v for k, v in group.items() if k != "completion_ids"})[0]
     assert without.completion_ids != split and without.old_logprobs is None  # the old way lost the ratio
+
+
+# ------------------------------------------------------------------------------ sampler–trainer mismatch
+
+def _sequences(tokenizer, model, sampler_dtype):
+    """The fixed batch as training sequences, each with the log-probs a sampler in ``sampler_dtype``
+    (None: float32) gives its tokens."""
+    import torch
+
+    from sptool.train.step import TrainSequence
+
+    rows = _batch(tokenizer)
+    flat = _logprobs(model, rows, sampler_dtype).tolist()
+    sequences = []
+    for (prompt, ids), advantage in zip(rows, ADVANTAGES):
+        sampled, flat = flat[:len(ids)], flat[len(ids):]
+        sequences.append(TrainSequence(prompt, ids, advantage, 1.0 if advantage > 0 else 0.0, "solver", sampled))
+    assert not flat and torch.is_grad_enabled()
+    return sequences
+
+
+def _first_update(model, tokenizer, sequences, **options) -> dict:
+    """The metrics of a fresh trainer's first update on ``sequences`` (a copy of ``model``; CPU)."""
+    import copy
+    import gc
+
+    from accelerate.state import AcceleratorState
+
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    AcceleratorState._reset_state(True)  # one precision per process otherwise
+    trainer = PolicyTrainer(TrainConfig(model="<test>", device="cpu", learning_rate=1e-5, max_completion_tokens=64,
+                                        compile=False, compile_kernels=False, **options),
+                            model=copy.deepcopy(model), tokenizer=tokenizer)
+    metrics = trainer.update_sequences([copy.copy(seq) for seq in sequences])
+    del trainer
+    gc.collect()
+    AcceleratorState._reset_state(True)
+    return metrics
+
+
+@pytest.mark.slow
+def test_the_first_update_from_a_rollout_has_ratio_one_and_the_gap_is_measured(tiny_model_dir):
+    """Issue 32's suspect: a bf16 trainer that takes log π_old from a float32 sampler starts every
+    rollout with ratio ≠ 1, so clipping and the ratio's noise land on every token. On the real
+    tiny model and a fixed batch, with the precisions a CUDA run uses by default (applied on CPU):
+    the first update's ratio is 1 (mean, max and min within 2e-3). The same check fails for a bf16
+    trainer with the float32 sampler's log-probs (it must: the guard catches a mismatched source)
+    and passes again with ``old_logprobs="trainer"``; the sampler–trainer gap is ~0 when the
+    sampler is the same float32 model, and not when the trainer computes in bf16."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sptool.models.hf import shared_sampler_autocast
+    from sptool.models.tokenizer import load_tokenizer
+    from sptool.train.config import TrainConfig
+    from sptool.train.step import resolve_mixed_precision
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    float32 = _sequences(tokenizer, model, None)
+
+    def ratio_is_one(metrics: dict, tolerance: float = 2e-3) -> bool:
+        return all(abs(metrics[key] - 1.0) <= tolerance for key in ("ratio_mean", "ratio_max", "ratio_min"))
+
+    # the CUDA defaults: the sampler's precision, the trainer's and where log π_old comes from
+    sampler = shared_sampler_autocast(None, "cuda")
+    mixed = resolve_mixed_precision(None, cuda=True)
+    assert mixed != "fp16", "fp16 autocast does not run on CPU: extend this test"
+    same = _first_update(model, tokenizer, float32, mixed_precision="no")  # float32 sampler and trainer
+    default = same if (sampler, mixed, TrainConfig().old_logprobs) == (None, "no", "sampler") else _first_update(
+        model, tokenizer, float32 if sampler is None else _sequences(tokenizer, model, sampler), mixed_precision=mixed)
+    print(json.dumps({"sampler": str(sampler), "trainer": mixed, "old_logprobs": TrainConfig().old_logprobs,
+                      **{k: default[k] for k in ("ratio_mean", "ratio_max", "ratio_min", "logprob_gap")}}))
+    assert ratio_is_one(default), f"the default precisions start a rollout off ratio 1: {default}"
+    assert default["clip_fraction"] == 0.0
+
+    assert same["logprob_gap"] < 1e-4 and same["logprob_gap_max"] < 1e-3, same
+    assert ratio_is_one(same, 1e-4) and same["ratio_std"] < 1e-4
+
+    mismatched = _first_update(model, tokenizer, float32, mixed_precision="bf16", old_logprobs="sampler")
+    assert not ratio_is_one(mismatched), f"a bf16 trainer against float32 log π_old should be off 1: {mismatched}"
+    assert mismatched["logprob_gap"] > 1e-3 and mismatched["ratio_std"] > 1e-3
+
+    own = _first_update(model, tokenizer, float32, mixed_precision="bf16", old_logprobs="trainer")
+    assert own["ratio_mean"] == own["ratio_max"] == own["ratio_min"] == 1.0 and own["clip_fraction"] == 0.0
+    assert own["logprob_gap"] == pytest.approx(mismatched["logprob_gap"], rel=1e-3)  # the gap is still seen
+
+
+def test_truncated_importance_weights_are_capped():
+    import torch
+
+    from sptool.train.losses import objective_loss, truncated_importance_weights
+
+    trainer = torch.tensor([-1.0, -1.0, -2.0])
+    sampler = torch.tensor([-1.5, -1.0, -1.0])
+    weights = truncated_importance_weights(trainer, sampler, cap=1.5)
+    assert torch.allclose(weights, torch.tensor([1.5, 1.0, math.exp(-1.0)]))  # exp(0.5) = 1.65 capped
+    logprobs = torch.tensor([-1.0, -1.0, -2.0], requires_grad=True)
+    loss, *_ = objective_loss(logprobs, logprobs.detach(), None, torch.ones(3), torch.ones(3), clip_low=0.2,
+                              clip_high=0.2, importance_weights=weights)
+    loss.backward()
+    assert torch.allclose(logprobs.grad, -weights)  # ρ_t multiplies each token's policy gradient
+
+
+def test_trainer_old_logprobs_keep_the_sampler_for_the_gap_and_tis(random_policy):
+    """``old_logprobs="trainer"``: a rollout's first update has ratio 1 even when the sampler's
+    log-probs are off by 0.5 nats (they show as the gap, and TIS caps their weight); scored before
+    the first update (a rollout of several updates), the sampler's log-probs stay and the second
+    update's ratio moves off 1."""
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    prompt = [{"role": "user", "content": "What is 2 + 3?"}]
+    group = {"role": "solver", "prompt": prompt, "completions": ["The answer is 5.", "It is 6.", "5", "7"],
+             "rewards": [1.0, 0.0, 1.0, 0.0], "finish_reasons": ["stop"] * 4}
+    options = dict(model=random_policy, loss="grpo", learning_rate=0.05, old_logprobs="trainer", tis_cap=1.2)
+    trainer = PolicyTrainer(TrainConfig(**options))
+    current = trainer.logprobs(trainer.encode_group(group))
+    off = {**group, "old_logprobs": [[x - 0.5 for x in row] for row in current]}
+    assert trainer.fill_old_logprobs([off]) == 4 and off["old_logprobs"][0] == [x - 0.5 for x in current[0]]
+    first = trainer.update([off])
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and first["clip_fraction"] == 0.0
+    assert first["logprob_gap"] == pytest.approx(0.5, abs=1e-3) and first["logprob_gap_max"] == pytest.approx(0.5, abs=1e-3)
+    assert first["tis_weight_mean"] == pytest.approx(1.2) and first["tis_capped_fraction"] == 1.0
+    second = trainer.update([off])
+    assert abs(second["ratio_mean"] - 1.0) > 1e-3
+    with pytest.raises(Exception, match="--tis-cap"):
+        TrainConfig(model=random_policy, tis_cap=2.0)  # TIS corrects the trainer's log π_old: not the sampler's
+    with pytest.raises(Exception, match="--old-logprobs"):
+        TrainConfig(model=random_policy, old_logprobs="both")

@@ -79,6 +79,15 @@ def train_step(
                                          "(default: cuda when available; under accelerate launch, its choice)."),
     mixed_precision: Optional[str] = typer.Option(None, "--mixed-precision", help="no, bf16, fp16 "
                                                   "(default no: float32; bf16 hides RL-sized updates from the forward)."),
+    old_logprobs: str = typer.Option("sampler", "--old-logprobs", help="Where log π_old comes from: sampler "
+                                     "(the groups' 'old_logprobs') or trainer (its own forward in its own precision: "
+                                     "the first update has ratio 1; the sampler's log-probs feed the gap metric and "
+                                     "--tis-cap)."),
+    tis_cap: float = typer.Option(0.0, "--tis-cap", help="Truncated importance sampling: each token's policy-"
+                                  "gradient term times min(exp(log π_trainer − log π_sampler), CAP); 0: off; needs "
+                                  "--old-logprobs trainer."),
+    fp32_head: bool = typer.Option(False, "--fp32-head", help="Under bf16 autocast, the LM head's matmul and "
+                                   "log-softmax in float32 (the body stays bf16)."),
     full_logits: bool = typer.Option(False, "--full-logits", help="Compute [tokens × vocabulary] logits "
                                      "(the previous, slower and larger path) instead of log-probs in token chunks."),
     no_entropy: bool = typer.Option(False, "--no-entropy", help="Skip the entropy metric (one pass less over "
@@ -117,6 +126,7 @@ def train_step(
         lora_target_modules=_split_list(lora_target_modules) or ["all-linear"], ref_model=ref_model,
         chat_template=not no_chat_template, device=device, mixed_precision=mixed_precision, seed=seed,
         full_logits=full_logits, entropy=not no_entropy, compile=compile_model,
+        old_logprobs=old_logprobs, tis_cap=tis_cap, fp32_head=fp32_head,
         compile_kernels=compile_model)
     common.waiting_for_stdin_hint(input_path, quiet)
     started = time.monotonic()

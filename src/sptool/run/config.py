@@ -88,6 +88,16 @@ class TrainSection:
                                    "and optimizer stay float32): auto (no: float32; bf16 hides RL-sized "
                                    "updates from the forward), no, bf16, fp16 (with a gradient scaler)",
                                    choices=("auto", "no", "bf16", "fp16"))
+    old_logprobs: str = setting(train_default("old_logprobs"), "where the update's log π_old comes from: "
+                                "sampler (the log-probs the generator recorded) or trainer (the trainer's "
+                                "own forward in its own precision: a rollout's first update has ratio 1; "
+                                "the sampler's log-probs then feed only the gap metric and tis_cap)",
+                                choices=("sampler", "trainer"))
+    tis_cap: float = setting(train_default("tis_cap"), "truncated importance sampling: each token's "
+                             "policy-gradient term times min(exp(log π_trainer − log π_sampler), tis_cap); "
+                             "0: off; needs old_logprobs = \"trainer\"", minimum=0)
+    fp32_head: bool = setting(train_default("fp32_head"), "under bf16 autocast, the LM head's matmul and "
+                              "log-softmax in float32 (the body stays bf16)")
     compile: bool = setting(True, "torch.compile the decoder layers and log-prob kernels on CUDA "
                             "(false: eager; never on CPU)")
     shared_policy: bool = setting(True, "one policy plays every role (WIST, SvS), else questioner and "

@@ -40,6 +40,10 @@ def pack_completions(groups: list[dict], batch: int) -> list[list[dict]]:
 
 
 
+#: the numbers of every update recorded when a train step makes several (``per_update``)
+PER_UPDATE_METRICS = ("ratio_mean", "ratio_max", "clip_fraction", "logprob_gap", "tis_weight_mean", "loss")
+
+
 class Training:
     """The training half of a run's session (see the module's text)."""
 
@@ -92,7 +96,7 @@ class Training:
             per_step = []
             for chunk in chunks:
                 metrics = trainer.update(chunk)
-                per_step.append({key: metrics.get(key) for key in ("ratio_mean", "clip_fraction", "loss")})
+                per_step.append({key: metrics.get(key) for key in PER_UPDATE_METRICS})
                 ctx.advance()
             record = {"role": role, "step": trainer.step, "groups": len(mine),
                       "groups_with_signal": sum(1 for g in mine if any(a != 0 for a in g.get("advantages") or [])),

@@ -134,6 +134,7 @@ LIMITS: dict[str, Limit] = {
     "max_grad_norm": floats(0, 1e6),
     "clip_low": floats(0, 1, high_open=True),
     "clip_high": floats(0, 100),
+    "tis_cap": floats(0, 1e6),
     "lora_alpha": floats(0, 1e6, low_open=True),
     "lora_dropout": floats(0, 1, high_open=True),
     # rewards, gates and thresholds
@@ -184,6 +185,7 @@ def _backends() -> list[str]:
 CHOICES: dict[str, Any] = {
     "dtype": DTYPES,
     "mixed_precision": MIXED_PRECISIONS,
+    "old_logprobs": ("sampler", "trainer"),
     "wiki_api": ("search", "opensearch"),
     "loss": _objectives,
     "backend": _backends,

@@ -11,6 +11,10 @@ from sptool.core.records import UsageError
 from sptool.train.losses import OBJECTIVES
 
 
+#: where a rollout's log π_old comes from: the sampler's recorded log-probs, or the trainer's own forward
+OLD_LOGPROBS = ("sampler", "trainer")
+
+
 @dataclass
 class TrainConfig:
     """Everything one ``train-step`` needs; saved into the checkpoint as the config used."""
@@ -48,6 +52,14 @@ class TrainConfig:
     compile: bool | None = None         # torch.compile each decoder layer (regional); default: on CUDA
     compile_kernels: bool | None = None  # torch.compile the log-prob chunk kernels; default: on CUDA
     logit_chunk_elements: int | None = None  # rows × vocabulary per logit chunk; default by device
+    # Where log π_old comes from (OLD_LOGPROBS): "sampler", the log-probs the generator recorded;
+    # "trainer", the trainer's own forward in its own precision (the first update from a rollout
+    # has ratio exactly 1; the sampler's log-probs then feed only the gap metric and TIS).
+    old_logprobs: str = "sampler"
+    # Truncated importance sampling (TIS): each token's policy-gradient term is multiplied by
+    # min(exp(log π_old,trainer − log π_sampler), tis_cap); 0: off. Needs old_logprobs="trainer".
+    tis_cap: float = 0.0
+    fp32_head: bool = False             # LM head matmul and log-softmax in float32 on a bf16 autocast body
 
     def __post_init__(self) -> None:
         objective = OBJECTIVES.get(self.loss)
@@ -69,6 +81,11 @@ class TrainConfig:
             (self.max_completion_tokens is None or self.max_completion_tokens > 0,
              f"--max-completion-tokens must be > 0, got {self.max_completion_tokens}"),
             (self.weight_decay >= 0, "--weight-decay must be >= 0"),
+            (self.old_logprobs in OLD_LOGPROBS,
+             f"--old-logprobs must be one of {', '.join(OLD_LOGPROBS)}, got '{self.old_logprobs}'"),
+            (self.tis_cap >= 0, f"--tis-cap must be >= 0 (0: off), got {self.tis_cap}"),
+            (self.tis_cap == 0 or self.old_logprobs == "trainer",
+             "--tis-cap corrects the trainer's log π_old towards the sampler's: it needs --old-logprobs trainer"),
         ]
         for ok, message in checks:
             if not ok:
@@ -81,7 +98,12 @@ class TrainConfig:
 
 @dataclass
 class TrainSequence:
-    """One completion ready for the model: token ids, its advantage and (optionally) old log-probs."""
+    """One completion ready for the model: token ids, its advantage and (optionally) old log-probs.
+
+    ``old_logprobs`` are the sampler's (log π_old with ``TrainConfig.old_logprobs="sampler"``; the
+    sampler–trainer gap and TIS use them); ``trainer_logprobs`` the trainer's own, scored before
+    a rollout's first update (log π_old with ``"trainer"``). Without the chosen one, log π_old is
+    the update's own forward, detached: ratio 1."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -89,6 +111,7 @@ class TrainSequence:
     reward: float = 0.0
     role: str = "policy"
     old_logprobs: list[float] | None = None
+    trainer_logprobs: list[float] | None = None
 
     @property
     def length(self) -> int:

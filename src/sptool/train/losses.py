@@ -134,16 +134,31 @@ def selected_logprobs(logits, targets):
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def truncated_importance_weights(trainer_logprobs, sampler_logprobs, cap: float):
+    """Truncated importance sampling (TIS) between the sampler and the trainer, per token:
+    ``ρ_t = min(exp(log π_trainer(y_t) − log π_sampler(y_t)), C)``, no gradient.
+
+    The sampler (another precision, another kernel, vLLM) is not exactly the policy the trainer
+    computes, so its tokens are off-policy by ``π_trainer/π_sampler``; the truncated weight
+    multiplies each token's clipped policy-gradient term (Yao et al. 2025, "Your Efficient RL
+    Framework Secretly Brings You Off-Policy RL Training"; veRL's rollout correction and TRL's
+    ``vllm_importance_sampling_correction`` with ``vllm_importance_sampling_cap``)."""
+    import torch
+
+    return torch.exp((trainer_logprobs - sampler_logprobs).detach()).clamp(max=cap)
+
+
 def objective_loss(logprobs, old_logprobs, ref_logprobs, advantages, weights, *, clip_low: float,
-                   clip_high: float, beta: float = 0.0):
-    """The batch loss ``L = Σ_tokens w_i · (ℓ^clip_{i,t} + β · KL^k3_{i,t})`` over flat token tensors.
+                   clip_high: float, beta: float = 0.0, importance_weights=None):
+    """The batch loss ``L = Σ_tokens w_i · (ρ_t · ℓ^clip_{i,t} + β · KL^k3_{i,t})`` over flat token tensors.
 
     All arguments are 1-D tensors over the completion tokens of the (micro-)batch; ``advantages``
     and ``weights`` are per token (each token carries its sequence's value). ``ref_logprobs``
-    may be None when ``beta == 0``. Returns ``(loss, per_token_surrogate, kl or None, clipped)``.
+    may be None when ``beta == 0``; ``importance_weights`` (ρ, :func:`truncated_importance_weights`)
+    None means 1. Returns ``(loss, per_token_surrogate, kl or None, clipped)``.
     """
     surrogate, clipped = clipped_surrogate_loss(logprobs, old_logprobs, advantages, clip_low, clip_high)
-    per_token = surrogate
+    per_token = surrogate if importance_weights is None else surrogate * importance_weights
     kl = None
     if beta and ref_logprobs is not None:
         kl = k3_kl(logprobs, ref_logprobs)

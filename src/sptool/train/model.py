@@ -242,12 +242,17 @@ class PolicyModel:
         rollout's first update, while the current policy is the one that sampled the rollout, so
         its later updates have a behaviour ratio (otherwise they fall back to ratio 1). Returns
         how many completions were filled. Every rank computes every group (the same forwards on
-        each, as sharded models need)."""
+        each, as sharded models need).
+
+        With ``old_logprobs="trainer"`` every completion is scored, into ``trainer_logprobs`` (the
+        sampler's ``old_logprobs`` stay, for the gap metric and TIS): log π_old is then the
+        trainer's own, in its own precision, for every update from the rollout."""
         todo: list[tuple[dict, list, list[int]]] = []
         sequences: list[TrainSequence] = []
         mismatches = self.old_logprob_mismatches
+        key = "trainer_logprobs" if self.config.old_logprobs == "trainer" else "old_logprobs"
         for group in groups:
-            old = list(group.get("old_logprobs") or [None] * len(group["completions"]))
+            old = list(group.get(key) or [None] * len(group["completions"]))
             missing = [i for i, values in enumerate(old) if values is None]
             if missing:
                 encoded = self.encode_group(group)
@@ -260,7 +265,7 @@ class PolicyModel:
         for group, old, missing in todo:
             for i in missing:
                 old[i] = next(values)
-            group["old_logprobs"] = old
+            group[key] = old
         return len(sequences)
 
     def logprobs(self, sequences: Sequence[TrainSequence]) -> list[list[float]]:

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 from sptool.core.records import InputError, RuntimeFailure, UsageError
 from sptool.train.losses import (group_advantages, objective_loss, selected_logprobs, sequence_token_weights,
-                                 token_entropy)
+                                 token_entropy, truncated_importance_weights)
 from sptool.train.group import (  # noqa: F401 - re-exported: sptool.train.step's API
     TRAINING_GROUP, TrainingGroupKind, _check_logprob_lists, _check_numbers, _check_prompt,
     _check_stop_strings, _check_strings, _check_token_id_lists, _is_number, group_role,
@@ -69,20 +69,62 @@ def _drop_forward_autocast(module) -> None:
         module.forward = original
 
 
-def completion_token_values(batch: Sequence[TrainSequence], weights: Sequence[float]):
+def completion_token_values(batch: Sequence[TrainSequence], weights: Sequence[float], old_source: str = "sampler"):
     """Per completion token of ``batch``, in order: its sequence's advantage, its row's weight,
-    its sampling log-probability (0 when the completion has none) and whether it has one."""
+    its log π_old (0 when the completion has none) and whether it has one, its sampler log-prob
+    (0 when none) and whether it has one. ``old_source``: log π_old is the sampler's
+    (``old_logprobs``) or the trainer's (``trainer_logprobs``)."""
     advantages: list[float] = []
     token_weights: list[float] = []
     old_values: list[float] = []
     has_old: list[bool] = []
+    sampler_values: list[float] = []
+    has_sampler: list[bool] = []
     for row, seq in enumerate(batch):
         n = len(seq.completion_ids)
         advantages += [seq.advantage] * n
         token_weights += [weights[row]] * n
-        old_values += seq.old_logprobs if seq.old_logprobs is not None else [0.0] * n
-        has_old += [seq.old_logprobs is not None] * n
-    return advantages, token_weights, old_values, has_old
+        old = seq.trainer_logprobs if old_source == "trainer" else seq.old_logprobs
+        old_values += old if old is not None else [0.0] * n
+        has_old += [old is not None] * n
+        sampler_values += seq.old_logprobs if seq.old_logprobs is not None else [0.0] * n
+        has_sampler += [seq.old_logprobs is not None] * n
+    return advantages, token_weights, old_values, has_old, sampler_values, has_sampler
+
+
+#: the summed statistics of a micro-batch, in order (the totals tensor of ``update_sequences``)
+SUMS = ("loss", "clipped", "kl", "entropy", "ratio", "completion_tokens", "tokens", "ratio_sq",
+        "gap", "gap_sq", "gap_tokens", "tis", "tis_capped")
+#: those summed per chunk of completion tokens (:func:`token_statistics`)
+CHUNK_SUMS = ("clipped", "kl", "ratio", *SUMS[7:])
+#: and the micro-batch's maxima (combined with max over micro-batches and ranks)
+MAXIMA = ("ratio_max", "ratio_min_negated", "gap_max")
+
+
+def token_statistics(current, old, trainer_old, sampler, has_sampler, clipped, kl, tis, cap: float):
+    """No-grad per-token statistics of one chunk of completion tokens: ``(sums, maxima)``, the sums
+    of :data:`CHUNK_SUMS` and the :data:`MAXIMA`.
+
+    ``current``: the update's log-probs (detached); ``old``: its log π_old; ``trainer_old``: the
+    trainer's log-probs before the update (``old`` with ``old_logprobs="trainer"``, else the
+    update's own forward); ``sampler``/``has_sampler``: the sampler's log-probs and where they
+    exist. The sampler–trainer gap is ``|trainer_old − sampler|`` over the tokens that have a
+    sampler log-prob; ``tis``: the TIS weights (None: off), ``cap`` their cap."""
+    import torch
+
+    ratio = torch.exp(current - old).double()
+    gap = (trainer_old - sampler).abs().double() * has_sampler
+    zero = torch.zeros((), dtype=torch.float64, device=current.device)
+    empty = ratio.numel() == 0
+    sums = torch.stack([
+        clipped.sum().double(), kl.sum().double() if kl is not None else zero, ratio.sum(),
+        (ratio * ratio).sum(), gap.sum(), (gap * gap).sum(), has_sampler.sum().double(),
+        (tis.double() * has_sampler).sum() if tis is not None else zero,
+        ((tis >= cap) & has_sampler).sum().double() if tis is not None else zero,
+    ])
+    low = torch.tensor(-math.inf, dtype=torch.float64, device=current.device)
+    maxima = torch.stack([low, low, low]) if empty else torch.stack([ratio.max(), -ratio.min(), gap.max()])
+    return sums, maxima
 
 
 class PolicyTrainer(PolicyModel):
@@ -139,10 +181,15 @@ class PolicyTrainer(PolicyModel):
         self.compile_proven = not self.compiled_layers
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         _drop_forward_autocast(self.accelerator.unwrap_model(self.model))
-        self.head = None if config.full_logits else self._bypassable_head(model)
+        self.output_layer = self._bypassable_head(model)
+        self.head = None if config.full_logits else self.output_layer
         self.ref_head = self._bypassable_head(self.ref_model) if self.head is not None and self.ref_model is not None \
             else None
-        self.compute_dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else None
+        # the head's matmuls: bf16 under bf16 autocast, float32 (the weights' dtype) otherwise or with fp32_head
+        self.compute_dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" and not config.fp32_head \
+            else None
+        if config.fp32_head and self.output_layer is None:
+            self.log("note: --fp32-head needs a plain linear LM head; this model's head runs in the autocast precision")
 
     def encode_group(self, group: dict) -> list[TrainSequence]:
         """Token sequences of one group: rendered prompt, then each completion (+ EOS on stop);
@@ -174,7 +221,16 @@ class PolicyTrainer(PolicyModel):
         stop_strings = group.get("stop_strings") or [None] * len(group["completions"])
         finish = group.get("finish_reasons") or ["stop"] * len(group["completions"])
         old = group.get("old_logprobs") or [None] * len(group["completions"])
+        # the trainer's own log-probs, when a rollout of several updates was scored before the first
+        # (:meth:`fill_old_logprobs` with old_logprobs="trainer"); else each update's own forward
+        own_old = group.get("trainer_logprobs") or [None] * len(group["completions"])
         sampled = group.get("completion_ids") or [None] * len(group["completions"])
+
+        def sequence(ids: list[int], old_i: list[float] | None) -> TrainSequence:
+            mine = own_old[i] if i < len(own_old) else None
+            mine = mine if mine is not None and len(mine) == len(ids) else None
+            return TrainSequence(prompt_ids, ids, float(advantages[i]), rewards[i], role, old_i, mine)
+
         eos = self.eos_id()
         role = group_role(group)
         sequences = []
@@ -185,7 +241,7 @@ class PolicyTrainer(PolicyModel):
                     raise InputError(f"completion {i}: token id {max(own)} is outside the tokenizer's "
                                      f"{len(tokenizer)} ids", field="completion_ids")
                 old_i = old[i] if old[i] is not None and len(old[i]) == len(own) else None
-                sequences.append(TrainSequence(prompt_ids, list(own), float(advantages[i]), rewards[i], role, old_i))
+                sequences.append(sequence(list(own), old_i))
                 continue
             if prefix and completion.startswith(prefix):
                 completion = completion[len(prefix):]
@@ -199,7 +255,7 @@ class PolicyTrainer(PolicyModel):
             if old_i is not None and len(old_i) != len(ids):
                 self.old_logprob_mismatches += 1  # re-tokenisation differs: fall back to ratio 1
                 old_i = None
-            sequences.append(TrainSequence(prompt_ids, ids, float(advantages[i]), rewards[i], role, old_i))
+            sequences.append(sequence(ids, old_i))
         return sequences
 
     def update(self, groups: Sequence[dict]) -> dict:
@@ -226,8 +282,9 @@ class PolicyTrainer(PolicyModel):
                      f"--max-completion-tokens the longest completion of each batch stands in ({max(lengths)})")
         weights = sequence_token_weights(lengths, config.objective.aggregation, config.max_completion_tokens)
         nothing_to_learn = not sequences or (config.beta == 0 and all(seq.advantage == 0 for seq in sequences))
-        # sums over this rank: loss, clipped tokens, kl, entropy, ratio, completion tokens, all tokens
-        totals = torch.zeros(7, dtype=torch.float64, device=self.device)
+        # sums over this rank (SUMS) and maxima (MAXIMA)
+        totals = torch.zeros(len(SUMS), dtype=torch.float64, device=self.device)
+        maxima = torch.full((len(MAXIMA),), -math.inf, dtype=torch.float64, device=self.device)
         n_micro = 0
         grad_norm = 0.0
         if not nothing_to_learn:
@@ -254,7 +311,8 @@ class PolicyTrainer(PolicyModel):
                         accelerator.backward(loss * world)
                     self.compile_proven = True
                 if count:
-                    totals += stats
+                    totals += stats[:len(SUMS)]
+                    maxima = torch.maximum(maxima, stats[len(SUMS):])
             n_micro = len(plan)
             if config.max_grad_norm and config.max_grad_norm > 0:
                 grad_norm = float(accelerator.clip_grad_norm_(self.params, config.max_grad_norm))
@@ -266,15 +324,17 @@ class PolicyTrainer(PolicyModel):
                                      "no update written (lower --learning-rate or check the rewards)")
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        totals = accelerator.reduce(totals, reduction="sum") if world > 1 else totals
+        if world > 1:
+            totals = accelerator.reduce(totals, reduction="sum")
+            maxima = accelerator.gather(maxima).reshape(world, -1).amax(0)
         self.step += 1
         seconds = time.perf_counter() - start
-        loss_sum, clipped, kl_sum, entropy_sum, ratio_sum, completion_tokens, all_tokens = totals.tolist()
+        sums = dict(zip(SUMS, totals.tolist()))
+        sums.update(zip(MAXIMA, maxima.tolist()))
         if nothing_to_learn:
-            completion_tokens = float(sum(lengths))
-            all_tokens = float(sum(seq.length for seq in sequences))
-        return self._metrics(sequences, loss_sum, clipped, kl_sum, entropy_sum, ratio_sum, completion_tokens,
-                             all_tokens, seconds, grad_norm, n_micro, nothing_to_learn)
+            sums["completion_tokens"] = float(sum(lengths))
+            sums["tokens"] = float(sum(seq.length for seq in sequences))
+        return self._metrics(sequences, sums, seconds, grad_norm, n_micro, nothing_to_learn)
 
     def _micro_batch_loss(self, batch: Sequence[TrainSequence], weights: Sequence[float]):
         """Loss of one micro-batch (a tensor to backpropagate) and its 7 summed statistics.
@@ -295,17 +355,14 @@ class PolicyTrainer(PolicyModel):
             hidden = self.model(input_ids=input_ids, use_cache=False).logits
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
         ref = self._reference_logprobs(input_ids, None, None, targets, positions) if config.beta > 0 else None
-        advantages, token_weights, old_values, has_old = token_values
-        zero = torch.zeros((), dtype=torch.float64, device=device)
+        advantages, token_weights = token_values[:2]
+        maxima = [torch.full((len(MAXIMA),), -math.inf, dtype=torch.float64, device=device)]
 
         def token_loss(logprobs, start: int, end: int):
-            old = torch.where(has_old[start:end], old_values[start:end], logprobs.detach())
-            loss, _, kl, clipped = objective_loss(
-                logprobs, old, ref[start:end] if ref is not None else None, advantages[start:end],
-                token_weights[start:end], clip_low=config.clip_low, clip_high=config.clip_high, beta=config.beta)
-            with torch.no_grad():
-                stats = torch.stack([clipped.sum().double(), kl.sum().double() if kl is not None else zero,
-                                     torch.exp(logprobs.detach() - old).sum().double()])
+            chunk = slice(start, end)
+            loss, stats, chunk_maxima = self._token_loss(
+                logprobs, token_values, chunk, ref[chunk] if ref is not None else None)
+            maxima[0] = torch.maximum(maxima[0], chunk_maxima)
             return loss, stats
 
         loss, _, entropy, stats = fused_policy_loss(
@@ -313,14 +370,44 @@ class PolicyTrainer(PolicyModel):
             chunk_rows=self._chunk_rows(), compute_dtype=self.compute_dtype, entropy=config.entropy,
             compiled=self.kernels_compiled)
         if stats is None:  # no completion tokens in this micro-batch
-            stats = torch.zeros(3, dtype=torch.float64, device=device)
-        totals = torch.stack([
+            stats = torch.zeros(len(CHUNK_SUMS), dtype=torch.float64, device=device)
+        return loss, self._micro_batch_totals(loss, stats, entropy, targets, batch, maxima[0])
+
+    def _token_loss(self, logprobs, token_values, chunk: slice, ref):
+        """The objective of the completion tokens ``chunk`` of a micro-batch, given their log-probs
+        under the update (``logprobs``, with a gradient): ``(loss, sums, maxima)`` (the statistics
+        of :func:`token_statistics`). log π_old is the sequence's (``old_logprobs``) where it has
+        one, else the update's own forward, detached (ratio 1)."""
+        torch = self.torch
+        config = self.config
+        advantages, token_weights, old_values, has_old, sampler_values, has_sampler = \
+            (values[chunk] for values in token_values)
+        current = logprobs.detach()
+        old = torch.where(has_old, old_values, current)
+        trainer_old = old if config.old_logprobs == "trainer" else current
+        tis = None
+        if config.tis_cap > 0:
+            tis = torch.where(has_sampler, truncated_importance_weights(trainer_old, sampler_values, config.tis_cap),
+                              torch.ones_like(current))
+        loss, _, kl, clipped = objective_loss(
+            logprobs, old, ref, advantages, token_weights, clip_low=config.clip_low, clip_high=config.clip_high,
+            beta=config.beta, importance_weights=tis)
+        with torch.no_grad():
+            sums, maxima = token_statistics(current, old, trainer_old, sampler_values, has_sampler, clipped, kl,
+                                            tis, config.tis_cap)
+        return loss, sums, maxima
+
+    def _micro_batch_totals(self, loss, stats, entropy, targets, batch, maxima):
+        """The micro-batch's :data:`SUMS` then :data:`MAXIMA`, one float64 tensor."""
+        torch = self.torch
+        device = self.device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return torch.cat([torch.stack([
             loss.detach().double(), stats[0], stats[1],
             entropy.sum().double() if entropy is not None else zero, stats[2],
             torch.tensor(float(targets.numel()), dtype=torch.float64, device=device),
             torch.tensor(float(sum(seq.length for seq in batch)), dtype=torch.float64, device=device),
-        ])
-        return loss, totals
+        ]), stats[3:], maxima])
 
     def _pack(self, batch: Sequence[TrainSequence], weights: Sequence[float]):
         """Right-padded ``input_ids`` ``[rows, width]``; the flat positions (row · width + t) whose
@@ -337,10 +424,12 @@ class PolicyTrainer(PolicyModel):
             start = row * width + len(seq.prompt_ids) - 1  # position t predicts token t + 1
             positions += range(start, start + len(seq.completion_ids))
             targets += seq.completion_ids
-        advantages, token_weights, old_values, has_old = completion_token_values(batch, weights)
+        advantages, token_weights, old_values, has_old, sampler_values, has_sampler = \
+            completion_token_values(batch, weights, self.config.old_logprobs)
         device = self.device
         as_tensor = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
-        values = (as_tensor(advantages), as_tensor(token_weights), as_tensor(old_values), as_tensor(has_old, torch.bool))
+        values = (as_tensor(advantages), as_tensor(token_weights), as_tensor(old_values), as_tensor(has_old, torch.bool),
+                  as_tensor(sampler_values), as_tensor(has_sampler, torch.bool))
         return (input_ids.to(device), as_tensor(positions, torch.long), as_tensor(targets, torch.long), values)
 
     def _micro_batch_loss_full(self, batch: Sequence[TrainSequence], weights: Sequence[float]):
@@ -357,58 +446,78 @@ class PolicyTrainer(PolicyModel):
             input_ids[row, :len(ids)] = torch.tensor(ids)
             attention[row, :len(ids)] = 1
             completion[row, len(seq.prompt_ids):len(ids)] = True
-        advantages, token_weights, old_values, has_old = completion_token_values(batch, weights)
+        values = completion_token_values(batch, weights, self.config.old_logprobs)
         device = self.device
         input_ids, attention, completion = input_ids.to(device), attention.to(device), completion.to(device)
         targets_mask = completion[:, 1:]  # logits at position t predict token t + 1
         targets = input_ids[:, 1:][targets_mask]
-        with self.accelerator.autocast():
+        output = self.output_layer if config.fp32_head else None
+        with self.accelerator.autocast(), (_bypassed(output) if output is not None else contextlib.nullcontext()):
             logits = self.model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
-        selected = logits[:, :-1][targets_mask].float()
+        if output is not None:  # the head in float32, outside autocast, on the body's hidden states
+            with torch.autocast(device.type, enabled=False):
+                logits = torch.nn.functional.linear(logits[:, :-1][targets_mask].float(), output.weight.float(),
+                                                    output.bias.float() if output.bias is not None else None)
+            selected = logits
+        else:
+            selected = logits[:, :-1][targets_mask].float()
         if config.temperature != 1.0:
             selected = selected / config.temperature
         logprobs = selected_logprobs(selected, targets)
-        as_tensor = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)  # noqa: E731
-        old = torch.where(as_tensor(has_old, torch.bool), as_tensor(old_values), logprobs.detach())
+        kinds = (torch.float32, torch.float32, torch.float32, torch.bool, torch.float32, torch.bool)
+        token_values = [torch.tensor(v, dtype=kind, device=device) for v, kind in zip(values, kinds)]
         ref = None
         if config.beta > 0:
             ref = self._reference_logprobs(input_ids, attention, targets_mask, targets)
-        loss, _, kl, clipped = objective_loss(
-            logprobs, old, ref, as_tensor(advantages), as_tensor(token_weights),
-            clip_low=config.clip_low, clip_high=config.clip_high, beta=config.beta)
+        loss, stats, maxima = self._token_loss(logprobs, token_values, slice(None), ref)
         with torch.no_grad():
-            entropy = token_entropy(selected.detach()) if config.entropy else torch.zeros(1, device=device)
-            stats = torch.stack([
-                loss.detach().double(), clipped.sum().double(),
-                kl.sum().double() if kl is not None else torch.zeros((), dtype=torch.float64, device=device),
-                entropy.sum().double(), torch.exp(logprobs.detach() - old).sum().double(),
-                torch.tensor(float(targets.numel()), dtype=torch.float64, device=device),
-                attention.sum().double(),
-            ])
-        return loss, stats
+            entropy = token_entropy(selected.detach()) if config.entropy else None
+            totals = self._micro_batch_totals(loss, stats, entropy, targets, batch, maxima)
+        return loss, totals
 
-    def _metrics(self, sequences, loss_sum, clipped, kl_sum, entropy_sum, ratio_sum, completion_tokens,
-                 all_tokens, seconds, grad_norm, n_micro, skipped) -> dict:
+    def _metrics(self, sequences, sums: dict, seconds, grad_norm, n_micro, skipped) -> dict:
+        """The update's metrics from the summed statistics (:data:`SUMS`, :data:`MAXIMA`). Ratio
+        ``k = π_θ/π_old`` per completion token: mean, spread, max, min, clipped share; the
+        sampler–trainer gap ``|log π_trainer − log π_sampler|`` over the tokens with sampler
+        log-probs (trainer: log π_old with ``old_logprobs="trainer"``, else the update's own
+        forward): mean, RMS, max (None without sampler log-probs); the TIS weight's mean and
+        capped share when TIS is on."""
         by_role: dict[str, list[float]] = {}
         for seq in sequences:
             by_role.setdefault(seq.role, []).append(seq.reward)
         advantages = [seq.advantage for seq in sequences]
         mean = sum(advantages) / len(advantages) if advantages else 0.0
         std = math.sqrt(sum((a - mean) ** 2 for a in advantages) / len(advantages)) if advantages else 0.0
+        completion_tokens, all_tokens = sums["completion_tokens"], sums["tokens"]
         tokens = max(completion_tokens, 1.0)
         trained = not skipped
+        ratio_max, ratio_min = sums["ratio_max"], -sums["ratio_min_negated"]
+        if not (trained and math.isfinite(ratio_max)):  # no completion tokens were scored
+            ratio_max = ratio_min = 1.0
+        ratio_mean = sums["ratio"] / tokens if trained else 1.0
+        gap_tokens = sums["gap_tokens"]
+        gapped = trained and gap_tokens > 0
+        tis = trained and self.config.tis_cap > 0 and gap_tokens > 0
         return {
             "step": self.step,
             "objective": self.config.loss,
-            "loss": loss_sum if trained else 0.0,
+            "loss": sums["loss"] if trained else 0.0,
             "completions": len(sequences),
             "reward_mean": {role: sum(values) / len(values) for role, values in sorted(by_role.items())},
             "advantage": {"mean": mean, "std": std, "min": min(advantages, default=0.0),
                           "max": max(advantages, default=0.0)},
-            "clip_fraction": clipped / tokens if trained else 0.0,
-            "ratio_mean": ratio_sum / tokens if trained else 1.0,
-            "kl": kl_sum / tokens if trained and self.config.beta > 0 else None,
-            "entropy": entropy_sum / tokens if trained and self.config.entropy else None,
+            "clip_fraction": sums["clipped"] / tokens if trained else 0.0,
+            "ratio_mean": ratio_mean,
+            "ratio_std": math.sqrt(max(0.0, sums["ratio_sq"] / tokens - ratio_mean ** 2)) if trained else 0.0,
+            "ratio_max": ratio_max,
+            "ratio_min": ratio_min,
+            "logprob_gap": sums["gap"] / gap_tokens if gapped else None,
+            "logprob_gap_rms": math.sqrt(sums["gap_sq"] / gap_tokens) if gapped else None,
+            "logprob_gap_max": sums["gap_max"] if gapped else None,
+            "tis_weight_mean": sums["tis"] / gap_tokens if tis else None,
+            "tis_capped_fraction": sums["tis_capped"] / gap_tokens if tis else None,
+            "kl": sums["kl"] / tokens if trained and self.config.beta > 0 else None,
+            "entropy": sums["entropy"] / tokens if trained and self.config.entropy else None,
             "completion_tokens": int(completion_tokens),
             "tokens": int(all_tokens),
             "tokens_per_s": all_tokens / seconds if trained and seconds > 0 else 0.0,
