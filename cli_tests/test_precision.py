@@ -339,3 +339,22 @@ def test_trainer_old_logprobs_keep_the_sampler_for_the_gap_and_tis(random_policy
         TrainConfig(model=random_policy, tis_cap=2.0)  # TIS corrects the trainer's log π_old: not the sampler's
     with pytest.raises(Exception, match="--old-logprobs"):
         TrainConfig(model=random_policy, old_logprobs="both")
+
+
+def test_report_shows_the_ratio_and_a_drifting_gap(tmp_path):
+    """``sptool report``: the train steps' ratio, clip share and sampler–trainer gap per iteration
+    (``precision.png`` and the text summary, with the gap's largest value)."""
+    from sptool.run.report import series, summary_text, write_plots
+
+    gaps = [0.02, 0.03, 0.4, 0.05]
+    lines = [{"iteration": it, "stage": "train", "kind": "train", "records": 1, "wall_s": 1.0,
+              "roles": {"solver": {"ratio_mean": 1.0, "ratio_max": 1.0 + gap, "clip_fraction": gap / 10,
+                                   "logprob_gap": gap, "loss": 0.1}}} for it, gap in enumerate(gaps, 1)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    precision = series(lines)["precision"]
+    assert precision["solver sampler-trainer log-prob gap (mean, nats)"] == dict(enumerate(gaps, 1))
+    assert precision["solver ratio max"][3] == pytest.approx(1.4)
+    text = summary_text(tmp_path)
+    assert "precision: solver sampler-trainer log-prob gap (mean, nats): 0.020 (iter 1) -> 0.050 (iter 4)" in text
+    assert "precision: solver sampler-trainer log-prob gap (mean, nats): largest 0.400 (iter 3)" in text
+    assert "precision.png" in {path.name for path in write_plots(tmp_path)}

@@ -14,7 +14,10 @@ Plots, one file each (only those the run has data for):
 - ``difficulty.png``: the share of graded questions per p̂ bin (all-easy or all-impossible piles up
   at 1 or 0);
 - ``heldout.png``: greedy accuracy, mean@k and pass@k on the ``--eval`` benchmarks, before training
-  (iteration 0) and after the evaluated iterations.
+  (iteration 0) and after the evaluated iterations;
+- ``precision.png``: per role, each iteration's last update: the ratio π_θ/π_old's mean and max,
+  the clipped share, the mean sampler–trainer log-prob gap |log π_trainer − log π_sampler| and the
+  TIS weight's mean (a gap that drifts upwards is a sampler that no longer matches the trainer).
 
 And ``questions.md``: per iteration and challenge step, example generated questions, kept and
 rejected with the reason (malformed, the validity gate, the novelty gate, outside the solver
@@ -174,12 +177,22 @@ def series(lines: list[dict]) -> dict[str, dict[str, dict[int, float]]]:
             if line.get("graded"):
                 for label, share in (line.get("difficulty") or {}).items():
                     raw["difficulty"][f"p̂ {label}"][it].append(share)
+        elif kind == "train":
+            for role, metrics in (line.get("roles") or {}).items():
+                for key, label in PRECISION_SERIES:
+                    if metrics.get(key) is not None:
+                        raw["precision"][f"{role} {label}"][it].append(metrics[key])
         elif kind == "posterior-update":
             for node in line.get("tree") or []:
                 raw["tree"][f"{node['label']} (d{node['depth']})"][it].append(node["mean"])
     return {plot: {label: {it: mean(values) for it, values in points.items()}
                    for label, points in labels.items()} for plot, labels in raw.items()}
 
+
+#: the train metrics plotted in ``precision.png`` (see :meth:`PolicyTrainer._metrics`)
+PRECISION_SERIES = (("ratio_mean", "ratio mean"), ("ratio_max", "ratio max"), ("clip_fraction", "clip fraction"),
+                    ("logprob_gap", "sampler-trainer log-prob gap (mean, nats)"),
+                    ("tis_weight_mean", "TIS weight mean"))
 
 TITLES = {
     "rewards": ("Mean reward per role", "mean reward"),
@@ -190,10 +203,11 @@ TITLES = {
     "heldout": ("Held-out benchmarks (iteration 0: before training)", "accuracy"),
     "health": ("Curriculum health", "share"),
     "difficulty": ("Difficulty of graded questions (share per p̂ bin)", "share of questions"),
+    "precision": ("Update ratio and sampler-trainer gap (each iteration's last update)", "value"),
 }
 FILES = {"rewards": "rewards.png", "accuracy": "accuracy.png", "validity": "validity_novelty.png",
          "diversity": "diversity.png", "tree": "tree_posteriors.png", "heldout": "heldout.png",
-         "health": "health.png", "difficulty": "difficulty.png"}
+         "health": "health.png", "difficulty": "difficulty.png", "precision": "precision.png"}
 
 
 def write_plots(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
@@ -225,7 +239,7 @@ def write_plots(run_dir: str | Path, out_dir: str | Path | None = None) -> list[
         iterations = sorted({it for points in labels.values() for it in points})
         if 0 < len(iterations) <= 30:
             axes.set_xticks(iterations)
-        if plot != "rewards" and plot != "tree":
+        if plot not in ("rewards", "tree", "precision"):
             axes.set_ylim(-0.05, 1.05)
         axes.legend(fontsize=8, loc="best")
         figure.tight_layout()
@@ -283,6 +297,10 @@ def summary_text(run_dir: str | Path) -> str:
             if xs:
                 out.append(f"{plot}: {label}: {_fmt(points[xs[0]])} (iter {xs[0]}) -> "
                            f"{_fmt(points[xs[-1]])} (iter {xs[-1]})")
+    for label, points in sorted(series(lines).get("precision", {}).items()):
+        if "gap" in label and points:  # its largest value: a gap that drifted and came back shows too
+            worst = max(points, key=lambda it: points[it] if points[it] is not None else -1.0)
+            out.append(f"precision: {label}: largest {_fmt(points[worst])} (iter {worst})")
     for iteration, roles in training_signal(lines).items():
         out.append(f"training groups with a non-zero advantage, iteration {iteration}: "
                    + ", ".join(f"{role} {count}" for role, count in sorted(roles.items())))
