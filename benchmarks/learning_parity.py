@@ -20,7 +20,13 @@ runs (sums of 2..19, sptool's few-shot ``direct`` prompt, prefix ``\\boxed{``, s
   ``--set``; **sptool-fp32** the same with ``train.mixed_precision=no`` and ``model.dtype=fp32``;
   the diagnosis arms **sptool-bf16** (trainer and sampler in bf16: the default before the
   precision fix), **sptool-bf16-sampler** (float32 trainer, bf16 sampler) and
-  **sptool-bf16-trainer** (bf16 trainer, float32 sampler).
+  **sptool-bf16-trainer** (bf16 trainer, float32 sampler); issue 32's corrections for a bf16/fp16
+  trainer: **sptool-selfold** (float32, log π_old from the trainer's own forward: the control),
+  **sptool-bf16-trainer-selfold**, **sptool-bf16-tis** (also TIS, cap 2),
+  **sptool-bf16-fp32head**, **sptool-bf16-selfold-fp32head**, **sptool-fp16-trainer-selfold** and
+  **sptool-bf16-selfold** (bf16 sampler too). Each sptool arm's steps carry its updates' ratio
+  (mean, spread, max, min), clip share, sampler–trainer log-prob gap and TIS weight, from the run's
+  ``metrics.jsonl``; the report prints their means per arm.
 
 Held-out accuracy is measured the same way for every arm, by the function below (greedy, strict:
 the last boxed answer must be right): before training, every ``--eval-every`` steps and after the
@@ -68,7 +74,24 @@ SPTOOL_ARMS = {
     "sptool-bf16-sampler": {"train.mixed_precision": "no", "model.dtype": "bf16"},
     "sptool-bf16-trainer": {"train.mixed_precision": "bf16", "model.dtype": "fp32"},
     "sptool-fp16-trainer": {"train.mixed_precision": "fp16", "model.dtype": "fp32"},
+    # issue 32's candidate corrections for a bf16/fp16 trainer (train.old_logprobs: log π_old from
+    # the sampler or the trainer's own forward; train.tis_cap: truncated importance sampling between
+    # them; train.fp32_head: the LM head and log-softmax in float32 on a bf16 body)
+    "sptool-selfold": {"train.mixed_precision": "no", "model.dtype": "fp32", "train.old_logprobs": "trainer"},
+    "sptool-bf16-trainer-selfold": {"train.mixed_precision": "bf16", "model.dtype": "fp32",
+                                    "train.old_logprobs": "trainer"},
+    "sptool-bf16-tis": {"train.mixed_precision": "bf16", "model.dtype": "fp32", "train.old_logprobs": "trainer",
+                        "train.tis_cap": 2.0},
+    "sptool-bf16-fp32head": {"train.mixed_precision": "bf16", "model.dtype": "fp32", "train.fp32_head": True},
+    "sptool-bf16-selfold-fp32head": {"train.mixed_precision": "bf16", "model.dtype": "fp32",
+                                     "train.old_logprobs": "trainer", "train.fp32_head": True},
+    "sptool-fp16-trainer-selfold": {"train.mixed_precision": "fp16", "model.dtype": "fp32",
+                                    "train.old_logprobs": "trainer"},
+    "sptool-bf16-selfold": {"train.mixed_precision": "bf16", "model.dtype": "bf16", "train.old_logprobs": "trainer"},
 }
+#: the per-update numbers of the sptool arms (their run's metrics.jsonl), per step and in the report
+UPDATE_METRICS = ("ratio_mean", "ratio_std", "ratio_max", "ratio_min", "clip_fraction", "logprob_gap",
+                  "logprob_gap_rms", "logprob_gap_max", "tis_weight_mean", "tis_capped_fraction")
 ARMS = ("bare", "trl", *SPTOOL_ARMS)
 TASKS = {
     "sums": {"train": "fixtures/addition_train.jsonl", "heldout": "fixtures/bench/addition_heldout_300.jsonl",
@@ -539,8 +562,11 @@ def run_sptool(settings: Settings, recorder: Recorder, workdir: Path, arm: str =
         means = [v for v in (filtered.get("mean_reward") or {}).values() if v is not None]
         verify = next((line for line in mine if line["kind"] == "verify"), {})
         solve = next((line for line in mine if line["kind"] == "solve"), {})
+        trained = next((line for line in mine if line["kind"] == "train"), {})
+        update = next(iter((trained.get("roles") or {}).values()), {})
         recorder.step(step, seconds, mean_reward=means[0] if means else None,
-                      train_accuracy=verify.get("accuracy"), truncated_rate=solve.get("truncated_rate"))
+                      train_accuracy=verify.get("accuracy"), truncated_rate=solve.get("truncated_rate"),
+                      **{key: update.get(key) for key in UPDATE_METRICS})
     recorder.notes["stage_wall_s"] = [{k: line.get(k) for k in ("iteration", "stage", "wall_s")} for line in lines]
     # held-out accuracy from the checkpoints, by the same function as the other arms
     import torch
@@ -567,6 +593,10 @@ def mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
 def report(out: Path) -> str:
     """The table of every ``<arm>.json`` in ``out``; writes ``parity.json`` and ``parity.txt``."""
     results = [json.loads((out / f"{arm}.json").read_text()) for arm in ARMS if (out / f"{arm}.json").is_file()]
@@ -577,24 +607,40 @@ def report(out: Path) -> str:
     lines = [f"learning parity: {first['problems']} problems x {first['samples']} samples, "
              f"{first['max_tokens']} new tokens, lr {first['lr']}, device {first['device']}, seed {first['seed']}",
              "", "held-out greedy accuracy after N steps",
-             f"{'arm':<20}" + "".join(f"{s:>8}" for s in eval_steps)]
+             f"{'arm':<30}" + "".join(f"{s:>8}" for s in eval_steps)]
     summary: dict = {"settings": first, "arms": {}}
     for r in results:
         by_step = {e["step"]: e["greedy_accuracy"] for e in r["evals"]}
-        lines.append(f"{r['arm']:<20}" + "".join(f"{by_step[s]:>8.3f}" if s in by_step else f"{'-':>8}"
+        lines.append(f"{r['arm']:<30}" + "".join(f"{by_step[s]:>8.3f}" if s in by_step else f"{'-':>8}"
                                                for s in eval_steps))
     lines += ["", "seconds per step (mean over steps 2..N; step 1 includes warm-up), held-out evaluation excluded",
-              f"{'arm':<20}{'step 1':>8}{'total':>8}" + "".join(f"{p:>12}" for p in PARTS) + f"{'eval/call':>11}"]
+              f"{'arm':<30}{'step 1':>8}{'total':>8}" + "".join(f"{p:>12}" for p in PARTS) + f"{'eval/call':>11}"]
     for r in results:
         later = [s for s in r["steps"] if s["step"] >= 2] or r["steps"]
         row = {key: mean([s[key] for s in later]) for key in ("total", *PARTS)}
         step1 = r["steps"][0]["total"] if r["steps"] else float("nan")
         eval_s = mean([e["seconds"] for e in r["evals"]]) or 0.0
-        lines.append(f"{r['arm']:<20}{step1:>8.2f}{row['total']:>8.2f}" +
+        lines.append(f"{r['arm']:<30}{step1:>8.2f}{row['total']:>8.2f}" +
                      "".join(f"{row[p]:>12.2f}" for p in PARTS) + f"{eval_s:>11.1f}")
         summary["arms"][r["arm"]] = {"accuracy": {str(e["step"]): e["greedy_accuracy"] for e in r["evals"]},
                                      "seconds_per_step": row, "first_step_s": step1, "eval_s": eval_s,
                                      "steps": len(r["steps"]), "notes": r.get("notes", {})}
+    measured = [(r, {key: mean([s[key] for s in r["steps"] if s.get(key) is not None]) for key in UPDATE_METRICS})
+                for r in results]
+    measured = [(r, row) for r, row in measured if any(v is not None for v in row.values())]
+    if measured:
+        lines += ["", "updates: ratio π_θ/π_old, clipped share, sampler-trainer log-prob gap |log π_trainer - "
+                  "log π_sampler| (nats) and TIS weight; mean over steps (step 1 in brackets: ratio max, gap)",
+                  f"{'arm':<30}" + "".join(f"{key.replace('logprob_', ''):>13}" for key in UPDATE_METRICS)
+                  + f"{'step 1':>20}"]
+        for r, row in measured:
+            first_step = r["steps"][0] if r["steps"] else {}
+            step1 = "/".join(_fmt(first_step.get(key)) for key in ("ratio_max", "logprob_gap"))
+            lines.append(f"{r['arm']:<30}" + "".join(f"{_fmt(row[key]):>13}" for key in UPDATE_METRICS)
+                         + f"{'(' + step1 + ')':>20}")
+            summary["arms"][r["arm"]]["updates"] = row
+            summary["arms"][r["arm"]]["updates_per_step"] = [
+                {"step": s["step"], **{key: s.get(key) for key in UPDATE_METRICS}} for s in r["steps"]]
     text = "\n".join(lines) + "\n"
     (out / "parity.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     (out / "parity.txt").write_text(text, encoding="utf-8")

@@ -16,8 +16,15 @@ ratio, clipping, entropy and metrics, gradient clipping, accelerate wrapping):
   no attention mask, eager torch throughout (``--no-compile``; what CPUs run);
 - ``kernels``: ``chunked`` with the chunk kernels compiled by torch.compile (CUDA);
 - ``new``: the default: ``kernels`` plus regional torch.compile of the decoder layers (CUDA);
-- ``new-noent``: the default without the entropy metric (``--no-entropy``).
-Compile time falls in each path's untimed warm-up step.
+- ``new-noent``: the default without the entropy metric (``--no-entropy``);
+- the trainer's precision (issue 32; ``new`` is whatever the default is, these name it):
+  ``new-fp32`` (float32, no autocast), ``new-bf16`` (bf16 autocast, log π_old from the sampler),
+  ``new-bf16-selfold`` (bf16, ``old_logprobs="trainer"``: the update's own forward gives log π_old,
+  no extra pass), ``new-bf16-selfold-fp32head`` (also the LM head in float32), ``new-bf16-tis``
+  (self-old with TIS, cap 2), ``new-fp16-selfold`` (fp16 autocast with the gradient scaler).
+Compile time falls in each path's untimed warm-up step. Every sequence carries sampler log-probs
+(random, as a run's groups carry the sampler's), so the gap and TIS statistics are computed as
+in a run.
 
 Each path runs alone (the previous one's model and optimizer are freed first), one untimed
 warm-up step, then ``--repeats`` timed steps. Prints a table with tokens/s (prompt + completion
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import sys
 import time
@@ -70,7 +78,9 @@ def make_batch(args, vocab: int):
         mean = sum(rewards) / len(rewards)
         for reward in rewards:
             completion = [rng.randrange(1, vocab) for _ in range(args.completion_len)]
-            sequences.append(TrainSequence(prompt, completion, reward - mean + rng.uniform(-0.1, 0.1), reward))
+            sampled = [math.log(rng.uniform(0.05, 1.0)) for _ in completion]  # the sampler's log-probs
+            sequences.append(TrainSequence(prompt, completion, reward - mean + rng.uniform(-0.1, 0.1), reward,
+                                           old_logprobs=sampled))
     return sequences
 
 
@@ -115,6 +125,15 @@ PATHS = {
     "kernels": ("sptool, chunked + compiled chunk kernels", dict(compile=False)),
     "new": ("sptool, new default (+ compiled decoder layers)", dict()),
     "new-noent": ("sptool, new default, --no-entropy", dict(entropy=False)),
+    "new-fp32": ("sptool, float32 (mixed_precision=no)", dict(mixed_precision="no")),
+    "new-bf16": ("sptool, bf16 autocast, log π_old from the sampler", dict(mixed_precision="bf16")),
+    "new-bf16-selfold": ("sptool, bf16, old_logprobs=trainer", dict(mixed_precision="bf16", old_logprobs="trainer")),
+    "new-bf16-selfold-fp32head": ("sptool, bf16, old_logprobs=trainer, fp32_head",
+                                  dict(mixed_precision="bf16", old_logprobs="trainer", fp32_head=True)),
+    "new-bf16-tis": ("sptool, bf16, old_logprobs=trainer, tis_cap=2",
+                     dict(mixed_precision="bf16", old_logprobs="trainer", tis_cap=2.0)),
+    "new-fp16-selfold": ("sptool, fp16 + scaler, old_logprobs=trainer",
+                         dict(mixed_precision="fp16", old_logprobs="trainer")),
 }
 
 
@@ -202,6 +221,9 @@ def run_shape(args, shape: str, paths: list[str]) -> None:
 
                     copy_ = get_peft_model(copy_, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r,
                                                              target_modules="all-linear", task_type="CAUSAL_LM"))
+                from accelerate.state import AcceleratorState
+
+                AcceleratorState._reset_state(True)  # each path its own precision (one per process otherwise)
                 trainer = PolicyTrainer(TrainConfig(model="<benchmark>", learning_rate=1e-6, device=args.device,
                                                     max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
                                                     max_completion_tokens=args.completion_len, **options),
