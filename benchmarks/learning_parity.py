@@ -631,12 +631,12 @@ def report(out: Path) -> str:
     if measured:
         lines += ["", "updates: ratio π_θ/π_old, clipped share, sampler-trainer log-prob gap |log π_trainer - "
                   "log π_sampler| (nats) and TIS weight; mean over steps (step 1 in brackets: ratio max, gap)",
-                  f"{'arm':<30}" + "".join(f"{key.replace('logprob_', ''):>13}" for key in UPDATE_METRICS)
+                  f"{'arm':<30}" + "".join(f"{key.replace('logprob_', ''):>15}" for key in UPDATE_METRICS)
                   + f"{'step 1':>20}"]
         for r, row in measured:
             first_step = r["steps"][0] if r["steps"] else {}
             step1 = "/".join(_fmt(first_step.get(key)) for key in ("ratio_max", "logprob_gap"))
-            lines.append(f"{r['arm']:<30}" + "".join(f"{_fmt(row[key]):>13}" for key in UPDATE_METRICS)
+            lines.append(f"{r['arm']:<30}" + "".join(f"{_fmt(row[key]):>15}" for key in UPDATE_METRICS)
                          + f"{'(' + step1 + ')':>20}")
             summary["arms"][r["arm"]]["updates"] = row
             summary["arms"][r["arm"]]["updates_per_step"] = [
