@@ -98,6 +98,12 @@ PACKAGED: dict[str, dict[str, Packaged]] = {
                                prefix="<question>", stop=("?", "</question>"),
                                answer_prefix="</question>\n\\boxed{", answer_stop=("}",),
                                answer_max_tokens=12),
+        "sums": Packaged("questioner_sums.txt", "one two-digit addition question (few-shot); the reply "
+                         "starts inside <question>What is , stops at the question, then continues with "
+                         "</question> \\boxed{ for the answer (small models; the held-out sums' form)",
+                         prefix="<question>What is ", stop=("?", "</question>"),
+                         answer_prefix="</question>\n\\boxed{", answer_stop=("}",),
+                         answer_max_tokens=6),
     },
     "challenger": {
         "documents": Packaged("challenge_documents.txt", "one QA pair about a document, as JSON (WIST)"),

@@ -62,6 +62,11 @@ class RoundConfig:
     solver_rollouts: int = setting(5, "fresh rollouts of the current solver per question: the "
                                    "update's GRPO group", "R-Quest App. C.2 \"solver 5 条\"; WIST "
                                    "App. D \"Reasoner sampling 5\"", minimum=1)
+    pool_labels: str = setting("majority", "the labels of the solver's pool: majority (the pseudo-label) "
+                               "or shuffled, a control: the same majority labels permuted among the "
+                               "pool's questions, so each is graded against another question's answer",
+                               "majority: R-Zero §2.1; shuffled: sptool's random-label control",
+                               choices=("majority", "shuffled"))
 
 
 @dataclass
@@ -121,6 +126,17 @@ def replay_count(count: int, share: float) -> int:
     if share <= 0 or count < 1:
         return 0
     return max(1, math.floor(count * share + 0.5))
+
+
+def shuffled_labels(pool: list[dict], seed: int) -> list[dict]:
+    """The random-label control: the pool's majority labels permuted among its questions (seeded),
+    so every question keeps a label of the same kind and spread, but none is tied to it. A gain
+    under these labels is not the majority vote's doing."""
+    import random
+
+    labels = [record["answer"] for record in pool]
+    random.Random(seed).shuffle(labels)
+    return [{**record, "answer": label, "label_source": "shuffled"} for record, label in zip(pool, labels)]
 
 
 def passes_the_validity_gate(record: dict) -> bool:
@@ -226,6 +242,8 @@ class RZero(Recipe):
             out.append({"id": group["source_ids"][0], "question": group["question"],
                         "answer": group["pseudo_label"], "label_source": "majority",
                         "origin": "questioner", "pool": True})
+        if self.c.pool_labels == "shuffled":
+            return shuffled_labels(out, ctx.seed)
         return out
 
     def rollouts(self, step: int):

@@ -1,0 +1,538 @@
+"""Self-play in miniature: does a label-free recipe make the tiny model better at held-out sums?
+
+One command runs every arm on one GPU (in parallel: the tiny model is small) and measures each the
+same way: held-out greedy accuracy on 300 two-digit sums no training set holds
+(``fixtures/bench/addition_heldout_300.jsonl``, the zero-shot prompt of ``learning_parity.py``,
+the strict grader: the last ``\\boxed{}``, its part after the last "=", must be the number),
+evaluated by ``sptool run`` itself before the first round and after every round (``--eval``,
+``verify.require_boxed``), and again by :func:`learning_parity.greedy_accuracy` on each arm's last
+checkpoint, as a check that the two graders agree.
+
+1. **The start.** The base model scores 0 zero-shot, and a label-free recipe cannot bootstrap
+   from a solver that never answers. ``sptool run --recipe rlvr`` trains it with labels for
+   ``--start-steps`` steps (64 × 8, 64 new tokens, lr 1e-5, Dr. GRPO: the parity settings), to
+   about 0.3-0.5 held-out; every other arm starts from that checkpoint.
+2. **The arms**, each ``--rounds`` rounds from the start, one process each, seeds ``--seeds``:
+
+   - ``rzero``: R-Zero, label-free. The questioner (from the start too, with the packaged ``sums``
+     prompt: it writes ``What is A + B?``) is trained on the uncertainty reward with the BLEU
+     penalty; the solver on its questions against majority-vote pseudo-labels (band 0.3-0.8);
+   - ``rquest``: R-Quest, label-free: R-Zero plus the validity initialisation (from the start), the
+     validity gate, the novelty gate (lexical: the 135M judge answers one word for every pair) and
+     the replay of the initialisation set;
+   - ``shuffled``: the control for both: R-Zero whose pool labels are the same majority answers
+     permuted among the pool's questions (``rzero.pool_labels=shuffled``). If it gains as much,
+     the gain is not the vote's;
+   - ``rlvr``: the same number of solver updates with the true labels (the upper line);
+   - ``svs``: SvS, labels for the originals, variational problems from the solver's own correct
+     answers; compared with ``rlvr`` on pass@k and the policy's entropy;
+   - ``start``: the start evaluated again (greedy: the same number every time; it is the line the
+     others are measured from).
+
+3. **Per round**, from each run directory: held-out greedy (and pass@k where sampled), the solver
+   pool's size and its pseudo-label accuracy (a sum's truth is computable from the question), the
+   questioner's well-formed rate (a proposal parsed into a question), its *valid* rate (a
+   well-formed ``A + B`` question), R-Quest's validity-gate and novelty-gate pass rates, and the
+   policy entropy and reward of the solver's updates.
+
+Results: ``OUT/<arm>-s<seed>.json`` per arm, ``OUT/selfplay.json`` and ``OUT/selfplay.md`` (the
+tables, standard errors, and the issue's targets checked).
+
+    python benchmarks/selfplay.py --device cuda --out DIR                      # every arm, seeds 1,2
+    python benchmarks/selfplay.py --device cuda --arms rzero,shuffled --seeds 1,2,3 --start DIR/start
+    python benchmarks/selfplay.py --report DIR
+    python benchmarks/selfplay.py --device cpu --out DIR                       # smoke test (tiny budgets)
+
+On CPU everything shrinks to a smoke test: a 1-step start, one round of the ``rzero`` and
+``shuffled`` arms, 8 new tokens and 4 held-out problems.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+ARMS = ("start", "rlvr", "rzero", "rquest", "shuffled", "svs")
+LABEL_FREE = ("rzero", "rquest", "shuffled")
+SUM = re.compile(r"^\s*What is (-?\d+)\s*\+\s*(-?\d+)\s*\?\s*$")
+
+
+@dataclass
+class Settings:
+    device: str
+    rounds: int            # self-play rounds per arm
+    start_steps: int       # rlvr steps that make the start
+    solver_steps: int      # solver updates per round (rlvr and svs: as many iterations in all)
+    problems: int          # questions per update (solver batch)
+    samples: int           # rollouts per question (the update's group); also the vote's m
+    questions: int         # questioner proposals per questioner update
+    pool: int              # candidates proposed per round for the solver's pool
+    max_tokens: int
+    lr: float
+    heldout_limit: int
+    pass_k: int            # sampled solutions per held-out problem for pass@k (rlvr, svs); 0: off
+    model: str = "tiny"
+    train: str = str(ROOT / "fixtures/addition_train.jsonl")
+    heldout: str = str(ROOT / "fixtures/bench/addition_heldout_300.jsonl")
+    prompt: str = str(ROOT / "benchmarks/prompt_zero_shot.txt")
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+def defaults(device: str) -> dict:
+    if device.startswith("cuda"):
+        return dict(rounds=5, start_steps=10, solver_steps=3, problems=64, samples=8, questions=64, pool=512,
+                    max_tokens=64, heldout_limit=0, pass_k=16)
+    return dict(rounds=1, start_steps=1, solver_steps=1, problems=2, samples=2, questions=4, pool=4,
+                max_tokens=8, heldout_limit=4, pass_k=0)
+
+
+# ---------------------------------------------------------------------------- the arms' settings
+
+def common_sets(s: Settings) -> dict:
+    """What every arm shares: sampling, objective, grader, prompt, the held-out evaluation."""
+    return {
+        "generation.max_tokens": s.max_tokens, "generation.temperature": 1.0, "generation.top_p": 1.0,
+        "train.loss": "dr_grpo", "train.beta": 0.0, "train.learning_rate": s.lr, "train.max_grad_norm": 1.0,
+        "train.max_tokens_per_micro_batch": 128 * (s.max_tokens + 64) if s.cuda else 4096,
+        "model.device": s.device, "model.gen_batch_size": 1024 if s.cuda else 16,
+        "verify.workers": 2 if s.cuda else 1, "verify.require_boxed": True,
+        "prompts.solve": s.prompt, "prompts.solve_prefix": "", "prompts.solve_stop": [],
+        "eval.benchmarks": s.heldout, "eval.every": 1, "eval.samples": 0,
+        "run.checkpoint_every": 1000, "run.keep": 1,
+    }
+
+
+def round_sets(s: Settings, section: str) -> dict:
+    """R-Zero's and R-Quest's round at this scale (the paper's band and format weight)."""
+    return {f"{section}.{key}": value for key, value in {
+        "questions": s.questions, "questioner_group": 4, "samples": s.samples, "questioner_steps": 1,
+        "solver_steps": s.solver_steps, "solver_questions": s.pool, "solver_batch": s.problems,
+        "solver_rollouts": s.samples, "solver_band": [0.3, 0.8] if s.cuda else [0.0, 1.0],
+        "format_weight": 0.1}.items()} | {"prompts.questioner": "sums"}
+
+
+def arm_plan(arm: str, s: Settings, start: str) -> tuple[str, int, dict]:
+    """``(recipe, iterations, --set values)`` of one arm, from the start checkpoint ``start``."""
+    sets = common_sets(s)
+    if arm == "rlvr":
+        return "rlvr", s.rounds * s.solver_steps, {
+            **sets, "model.policy": start, "rlvr.data": s.train, "rlvr.problems": s.problems,
+            "rlvr.samples": s.samples, "rlvr.format_weight": 0.1, "rlvr.keep_equal_groups": True,
+            "eval.every": s.solver_steps, "eval.samples": s.pass_k}
+    if arm == "svs":
+        return "svs", s.rounds * s.solver_steps, {
+            **sets, "model.policy": start, "svs.data": s.train, "svs.problems": s.problems,
+            "svs.samples": s.samples, "svs.variants": 2, "svs.max_solutions": 1, "svs.format_weight": 0.1,
+            "prompts.synthesis": "solutions-short", "eval.every": s.solver_steps, "eval.samples": s.pass_k}
+    if arm in ("rzero", "shuffled"):
+        extra = {"rzero.pool_labels": "shuffled"} if arm == "shuffled" else {}
+        return "rzero", s.rounds, {**sets, **round_sets(s, "rzero"), **extra,
+                                   "model.solver": start, "model.questioner": start}
+    if arm == "rquest":
+        # model.policy (not model.solver): the validity initialisation runs from the start
+        return "rquest", s.rounds, {
+            **sets, **round_sets(s, "rquest"), "model.policy": start, "rquest.validity_samples": 3,
+            "rquest.novelty_judge": "lexical", "rquest.novelty_k": 3, "rquest.init_steps": 3,
+            "rquest.init_batch": 12, "rquest.init_samples": s.samples, "prompts.validity": "direct"}
+    raise ValueError(arm)
+
+
+def sptool_run(recipe: str, run_dir: Path, iterations: int, sets: dict, seed: int, label: str) -> None:
+    """``sptool run`` in a subprocess, its iteration lines shown with ``label``; raises on failure."""
+    command = [sys.executable, "-m", "sptool.cli.main", "run", "--recipe", recipe, "--run-dir", str(run_dir),
+               "-n", str(iterations), "--seed", str(seed)]
+    if (run_dir / "manifest.json").is_file():
+        command.append("--resume")
+    for key, value in sets.items():
+        command += ["--set", f"{key}={json.dumps(value) if isinstance(value, (str, bool, list)) else value}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+               PYTHONUNBUFFERED="1")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    (run_dir.parent / f"{run_dir.name}.command.txt").write_text(" ".join(command) + "\n", encoding="utf-8")
+    tail: list[str] = []
+    with subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+                          cwd=ROOT) as process:
+        for line in process.stderr:
+            tail = (tail + [line.rstrip()])[-30:]
+            if re.search(r"(iteration \d+/|held-out|error)", line):
+                print(f"[{label}] {line.rstrip()}", file=sys.stderr, flush=True)
+    if process.returncode != 0:
+        raise RuntimeError(f"{label}: sptool run failed (exit {process.returncode}):\n" + "\n".join(tail))
+
+
+# ---------------------------------------------------------------------------- reading a run
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def sum_truth(question: str) -> int | None:
+    """The answer of ``What is A + B?``, or None for any other question."""
+    match = SUM.match(question or "")
+    return int(match.group(1)) + int(match.group(2)) if match else None
+
+
+def label_is_right(question: str, label) -> bool | None:
+    truth = sum_truth(question)
+    if truth is None:
+        return None
+    try:
+        return float(str(label).strip()) == truth
+    except ValueError:
+        return False
+
+
+def share(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
+
+
+def step_files(run_dir: Path, iteration: int, suffix: str) -> list[Path]:
+    """The outputs of an iteration's steps whose name ends with ``suffix`` (``NN-s-pool.jsonl``)."""
+    folder = run_dir / f"iter-{iteration:04d}"
+    return sorted(p for p in folder.glob(f"*-{suffix}.jsonl") if not p.name.endswith(".rejects.jsonl"))
+
+
+def round_stats(run_dir: Path, iteration: int) -> dict:
+    """One round's pool and questioner figures, read from its step outputs."""
+    stats: dict = {}
+    pool = [r for p in step_files(run_dir, iteration, "s-pool") for r in read_jsonl(p)]
+    if pool or step_files(run_dir, iteration, "s-pool"):
+        verdicts = [label_is_right(r["question"], r["answer"]) for r in pool]
+        known = [v for v in verdicts if v is not None]
+        stats["pool"] = len(pool)
+        stats["pseudo_label_accuracy"] = share(sum(known), len(known))
+        stats["label_source"] = pool[0].get("label_source") if pool else None
+    proposals, well_formed, sums = 0, 0, 0
+    for path in step_files(run_dir, iteration, "challenge"):
+        proposals += len(read_jsonl(path))
+        rejects = path.with_name(path.name.replace(".jsonl", ".rejects.jsonl"))
+        proposals += len(read_jsonl(rejects))
+        for record in read_jsonl(path):
+            if record.get("valid", True) and record.get("question"):
+                well_formed += 1
+                sums += sum_truth(record["question"]) is not None
+    if proposals:
+        stats.update(proposals=proposals, well_formed_rate=share(well_formed, proposals),
+                     valid_rate=share(sums, proposals))
+    gate_in = sum(len(read_jsonl(p)) for p in step_files(run_dir, iteration, "verify-validity"))
+    if gate_in:
+        from sptool.recipes.rzero import passes_the_validity_gate
+
+        passed = sum(passes_the_validity_gate(r) for p in step_files(run_dir, iteration, "verify-validity")
+                     for r in read_jsonl(p))
+        stats["validity_gate_rate"] = share(passed, gate_in)
+    judged = [r for p in step_files(run_dir, iteration, "novelty") for r in read_jsonl(p)]
+    if judged:
+        stats["novel_rate"] = share(sum(not r.get("duplicate", False) and r.get("novel", True) is not False
+                                        for r in judged), len(judged))
+    return stats
+
+
+def run_summary(run_dir: Path, heldout_name: str) -> dict:
+    """Held-out figures per evaluation, per-round stats, the solver updates' entropy and reward."""
+    lines = read_jsonl(run_dir / "metrics.jsonl")
+    evals = []
+    for line in lines:
+        if line.get("kind") == "eval":
+            figures = (line.get("benchmarks") or {}).get(heldout_name) or next(iter((line.get("benchmarks") or
+                                                                                     {None: {}}).values()))
+            evals.append({"after_iteration": line.get("after_iteration"), **(figures or {})})
+    updates = [{"iteration": line.get("iteration"), "stage": line.get("stage"), **solver}
+               for line in lines if line.get("kind") == "train" and solver_update(line)
+               for solver in [(line.get("roles") or {}).get("solver") or (line.get("roles") or {}).get("policy")]
+               if solver]
+    iterations = sorted({line["iteration"] for line in lines if isinstance(line.get("iteration"), int)
+                         and line["iteration"] > 0})
+    return {"evals": evals, "rounds": {str(i): round_stats(run_dir, i) for i in iterations},
+            "updates": [{k: v for k, v in u.items() if k in ("iteration", "stage", "step", "entropy", "loss",
+                                                              "ratio_mean", "ratio_max", "clip_fraction",
+                                                              "logprob_gap", "groups", "groups_with_signal")}
+                        for u in updates]}
+
+
+def solver_update(line: dict) -> bool:
+    stage = str(line.get("stage", ""))
+    return not stage.startswith("q") and not stage.startswith("init")
+
+
+# ---------------------------------------------------------------------------- one arm
+
+def checkpoint_of(run_dir: Path) -> str | None:
+    """The newest solver (or policy) checkpoint of a run; None when the solver was never updated."""
+    found = [p for role in ("solver", "policy") for p in (run_dir / "ckpt" / role).glob("step-*")]
+    return str(max(found, key=lambda p: int(p.name.split("-")[1]))) if found else None
+
+
+def harness_accuracy(s: Settings, checkpoint: str) -> float:
+    """Greedy accuracy of a checkpoint by learning_parity's function (the cross-check)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import learning_parity as lp
+
+    settings = lp.Settings(device=s.device, steps=0, problems=s.problems, samples=s.samples,
+                           max_tokens=s.max_tokens, lr=s.lr, seed=0, eval_every=0, micro_batch=1,
+                           model=s.model, heldout=s.heldout, heldout_limit=s.heldout_limit, prompt=s.prompt)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(lp.model_path(s.model))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(s.device)
+    template = Path(s.prompt).read_text(encoding="utf-8")
+    return lp.greedy_accuracy(model, tokenizer, lp.read_jsonl(s.heldout, s.heldout_limit), template, settings)
+
+
+def heldout_subset(s: Settings, out: Path) -> str:
+    """The held-out file every evaluation reads: the set itself, or its first ``heldout_limit``
+    problems in ``OUT/heldout/`` under the same name (``run --eval`` reads a whole file)."""
+    if not s.heldout_limit:
+        return s.heldout
+    subset = out / "heldout" / Path(s.heldout).name
+    if subset.is_file():
+        return str(subset)
+    subset.parent.mkdir(parents=True, exist_ok=True)
+    subset.write_text("".join(json.dumps(r) + "\n" for r in read_jsonl(Path(s.heldout))[:s.heldout_limit]),
+                      encoding="utf-8")
+    return str(subset)
+
+
+def make_start(s: Settings, out: Path) -> str:
+    """rlvr from the base model for ``start_steps`` steps; its checkpoint is every arm's start."""
+    run_dir = out / "start" / "run"
+    done = out / "start" / "start.json"
+    if done.is_file():
+        return json.loads(done.read_text())["checkpoint"]
+    sets = {**common_sets(s), "model.policy": s.model, "rlvr.data": s.train, "rlvr.problems": s.problems,
+            "rlvr.samples": s.samples, "rlvr.format_weight": 0.1, "rlvr.keep_equal_groups": True,
+            "eval.every": 0}
+    began = time.time()
+    sptool_run("rlvr", run_dir, s.start_steps, sets, 0, "start")
+    checkpoint = checkpoint_of(run_dir)
+    if checkpoint is None:
+        raise RuntimeError(f"{run_dir}: the start run wrote no checkpoint")
+    summary = run_summary(run_dir, Path(s.heldout).stem)
+    done.write_text(json.dumps({"checkpoint": checkpoint, "wall_s": time.time() - began, **summary}, indent=1) + "\n")
+    return checkpoint
+
+
+def run_arm(arm: str, seed: int, s: Settings, start: str, out: Path) -> dict:
+    label = f"{arm}-s{seed}"
+    began = time.time()
+    result: dict = {"arm": arm, "seed": seed, "settings": asdict(s), "start": start}
+    if arm == "start":
+        result["evals"] = [{"after_iteration": 0, "greedy": harness_accuracy(s, start)}]
+        result["rounds"], result["updates"] = {}, []
+    else:
+        recipe, iterations, sets = arm_plan(arm, s, start)
+        run_dir = out / "runs" / label
+        sptool_run(recipe, run_dir, iterations, sets, seed, label)
+        result.update(recipe=recipe, iterations=iterations, sets=sets, **run_summary(run_dir, Path(s.heldout).stem))
+        last = checkpoint_of(run_dir)  # None: no update had a learning signal, the solver is the start
+        result["harness_final_greedy"] = harness_accuracy(s, last or start)
+    result["wall_s"] = time.time() - began
+    (out / f"{label}.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(f"[{label}] done in {result['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    return result
+
+
+# ---------------------------------------------------------------------------- the report
+
+def standard_error(p: float, n: int) -> float:
+    return math.sqrt(max(p * (1 - p), 0.0) / n) if n else float("nan")
+
+
+def updates_per_eval(result: dict) -> int:
+    """Solver updates between two of the arm's evaluations (rounds × solver_steps for every arm)."""
+    return result["settings"]["solver_steps"]
+
+
+def curve(result: dict) -> dict[int, dict]:
+    """Held-out figures by solver updates done (round r of R-Zero = r × solver_steps updates)."""
+    per = 1 if result.get("recipe") in ("rlvr", "svs") else updates_per_eval(result)
+    return {int(e["after_iteration"]) * per: e for e in result.get("evals", []) if e.get("after_iteration") is not None}
+
+
+def fmt(value, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def report(out: Path) -> str:
+    """The tables of every ``<arm>-s<seed>.json`` in ``out``; writes ``selfplay.json`` and ``.md``."""
+    results = sorted((json.loads(p.read_text()) for p in out.glob("*-s*.json")),
+                     key=lambda r: (ARMS.index(r["arm"]) if r["arm"] in ARMS else 99, r["seed"]))
+    if not results:
+        raise SystemExit(f"{out}: no arm results (<arm>-s<seed>.json)")
+    s = results[0]["settings"]
+    start_file = out / "start" / "start.json"
+    start_info = json.loads(start_file.read_text()) if start_file.is_file() else {}
+    n = s["heldout_limit"] or len(read_jsonl(Path(s["heldout"])))
+    start_acc = next((r["evals"][0]["greedy"] for r in results if r["arm"] == "start"), None)
+    if start_acc is None:
+        start_acc = next((c[0]["greedy"] for c in map(curve, results) if 0 in c), None)
+    steps = sorted({k for r in results for k in curve(r)})
+    lines = [f"# Self-play in miniature ({s['device']})", "",
+             f"Start: rlvr for {s['start_steps']} steps from {s['model']}; held-out greedy {fmt(start_acc)} "
+             f"on {n} problems (s.e. {fmt(standard_error(start_acc or 0, n))}). Each arm: {s['rounds']} rounds "
+             f"of {s['solver_steps']} solver updates of {s['problems']} questions x {s['samples']} rollouts, "
+             f"{s['max_tokens']} new tokens, lr {s['lr']}.", "",
+             "## Held-out greedy accuracy by solver updates", "",
+             "| arm | seed | " + " | ".join(str(k) for k in steps) + " | final − start (s.e.) | harness |",
+             "|---|---|" + "---|" * len(steps) + "---|---|"]
+    verdicts: dict = {}
+    for r in results:
+        c = curve(r)
+        final = c[max(c)]["greedy"] if c else None
+        gain = None if final is None or start_acc is None else final - start_acc
+        se = math.sqrt(standard_error(start_acc or 0, n) ** 2 + standard_error(final or 0, n) ** 2) if c else None
+        r["gain"], r["gain_se"] = gain, se
+        lines.append(f"| {r['arm']} | {r['seed']} | " + " | ".join(fmt(c[k]["greedy"]) if k in c else "-" for k in steps)
+                     + f" | {fmt(gain)} ({fmt(se)}) | {fmt(r.get('harness_final_greedy'))} |")
+    pass_rows = [(r, {k: v for k, v in curve(r).items() if any(x.startswith("pass@") and x != "pass@1" for x in v)})
+                 for r in results]
+    pass_rows = [(r, c) for r, c in pass_rows if c]
+    if pass_rows:
+        lines += ["", "## pass@k and mean@k (sampled, temperature 1) and the solver updates' entropy", "",
+                  "| arm | seed | updates | greedy | mean@k | pass@k | mean entropy of updates |", "|---|---|---|---|---|---|---|"]
+        for r, c in pass_rows:
+            entropy = [u["entropy"] for u in r.get("updates", []) if u.get("entropy") is not None]
+            for k, v in sorted(c.items()):
+                key = next(x for x in v if x.startswith("pass@") and x != "pass@1")
+                lines.append(f"| {r['arm']} | {r['seed']} | {k} | {fmt(v.get('greedy'))} | {fmt(v.get('mean@k'))} | "
+                             f"{key} {fmt(v[key])} | {fmt(sum(entropy) / len(entropy) if entropy else None)} |")
+    round_rows = [r for r in results if r.get("rounds")]
+    if round_rows:
+        lines += ["", "## Per round: the solver's pool and the questioner", "",
+                  "| arm | seed | round | pool | pseudo-label accuracy | well-formed | valid (A + B) | validity gate | novel |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in round_rows:
+            for i, st in sorted(r["rounds"].items(), key=lambda kv: int(kv[0])):
+                lines.append(f"| {r['arm']} | {r['seed']} | {i} | {st.get('pool', '-')} | "
+                             f"{fmt(st.get('pseudo_label_accuracy'))} | {fmt(st.get('well_formed_rate'))} | "
+                             f"{fmt(st.get('valid_rate'))} | {fmt(st.get('validity_gate_rate'))} | "
+                             f"{fmt(st.get('novel_rate'))} |")
+    # the issue's targets
+    lines += ["", "## Targets", ""]
+    for arm in ("rzero", "rquest", "shuffled"):
+        mine = [r for r in results if r["arm"] == arm and r.get("gain") is not None]
+        if mine:
+            met = [r["gain"] >= 0.10 and r["gain"] > 3 * r["gain_se"] for r in mine]
+            verdicts[arm] = {"seeds": [r["seed"] for r in mine], "gains": [r["gain"] for r in mine],
+                             "se": [r["gain_se"] for r in mine], "gain_at_least_0.10_beyond_3se": met}
+            lines.append(f"- {arm}: final − start " + ", ".join(f"{r['gain']:+.3f} (3 s.e. {3 * r['gain_se']:.3f}, "
+                                                                 f"seed {r['seed']})" for r in mine)
+                         + f": {'met' if all(met) and len(met) >= 2 else 'not met'} (+0.10 beyond 3 s.e. in 2 seeds)")
+    rz = {r["seed"]: r for r in results if r["arm"] == "rzero"}
+    rq = {r["seed"]: r for r in results if r["arm"] == "rquest"}
+    for seed in sorted(set(rz) & set(rq)):
+        pairs = [(i, rq[seed]["rounds"][i].get("valid_rate"), rz[seed]["rounds"].get(i, {}).get("valid_rate"))
+                 for i in rq[seed]["rounds"]]
+        ok = all(a is not None and b is not None and a >= b for _, a, b in pairs)
+        lines.append(f"- valid rate, R-Quest ≥ R-Zero in every round (seed {seed}): {'met' if ok else 'not met'} "
+                     + ", ".join(f"round {i}: {fmt(a)} vs {fmt(b)}" for i, a, b in pairs))
+    text = "\n".join(lines) + "\n"
+    summary = {"settings": s, "start": {"greedy": start_acc, **{k: v for k, v in start_info.items() if k != "updates"}},
+               "heldout_problems": n, "arms": results, "targets": verdicts}
+    (out / "selfplay.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    (out / "selfplay.md").write_text(text, encoding="utf-8")
+    return text
+
+
+# ---------------------------------------------------------------------------- main
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arms", default=None, help=f"comma-separated, of {', '.join(ARMS)} "
+                        "(default: all on cuda, rzero,shuffled on cpu)")
+    parser.add_argument("--seeds", default=None, help="comma-separated run seeds (default 1,2 on cuda, 1 on cpu)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    for name, kind in (("rounds", int), ("start-steps", int), ("solver-steps", int), ("problems", int),
+                       ("samples", int), ("questions", int), ("pool", int), ("max-tokens", int),
+                       ("heldout-limit", int), ("pass-k", int)):
+        parser.add_argument(f"--{name}", type=kind, default=None)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--start", default=None, help="a start checkpoint (skips making one)")
+    parser.add_argument("--parallel", type=int, default=None, help="arms at once (default: all on cuda, 1 on cpu)")
+    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/selfplay-DEVICE)")
+    parser.add_argument("--report", default=None, metavar="DIR", help="only write and print the tables of DIR")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.report:
+        print(report(Path(args.report)), end="")
+        return 0
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    given = {k: getattr(args, k) for k in defaults(device) if getattr(args, k) is not None}
+    s = Settings(device=device, lr=args.lr, model=args.model, **{**defaults(device), **given})
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"selfplay-{device.split(':')[0]}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    s.heldout = heldout_subset(s, out)
+    cuda = s.cuda
+    if args.worker:  # one arm in this process: "ARM:SEED:START"
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        arm, seed, start = args.worker.split(":", 2)
+        run_arm(arm, int(seed), s, start, out)
+        return 0
+    arms = [a.strip() for a in (args.arms or (",".join(ARMS) if cuda else "rzero,shuffled")).split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"--arms: unknown arm {unknown[0]!r}; choose from {', '.join(ARMS)}")
+    seeds = [int(x) for x in (args.seeds or ("1,2" if cuda else "1")).split(",")]
+    print(f"=== start ({s.start_steps} rlvr steps)", file=sys.stderr, flush=True)
+    start = str(Path(args.start).resolve()) if args.start else make_start(s, out)
+    print(f"=== start checkpoint: {start}", file=sys.stderr, flush=True)
+    jobs = [(arm, seed) for arm in arms for seed in (seeds if arm != "start" else seeds[:1])]
+    parallel = args.parallel or (len(jobs) if cuda else 1)
+    base = list(argv if argv is not None else sys.argv[1:])
+    failed, running = [], []
+    for arm, seed in jobs:  # each arm in its own process: the same start, nothing shared
+        command = [sys.executable, __file__, *base, "--device", device, "--out", str(out),
+                   "--worker", f"{arm}:{seed}:{start}"]
+        running.append((f"{arm}-s{seed}", subprocess.Popen(command)))
+        while len(running) >= max(1, parallel):
+            done = [(a, p) for a, p in running if p.poll() is not None] or [running[0]]
+            for a, p in done:
+                if p.wait() != 0:
+                    failed.append(a)
+                running.remove((a, p))
+    for label, process in running:
+        if process.wait() != 0:
+            failed.append(label)
+    print(report(out), end="")
+    if failed:
+        print(f"failed arms: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
