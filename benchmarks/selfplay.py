@@ -85,6 +85,7 @@ class Settings:
     lr: float
     heldout_limit: int
     pass_k: int            # sampled solutions per held-out problem for pass@k (rlvr, svs); 0: off
+    gen_batch: int = 1024  # sequences per generate call (the compiled decoder's caches grow with it)
     model: str = "tiny"
     train: str = str(ROOT / "fixtures/addition_train.jsonl")
     heldout: str = str(ROOT / "fixtures/bench/addition_heldout_300.jsonl")
@@ -111,7 +112,7 @@ def common_sets(s: Settings) -> dict:
         "generation.max_tokens": s.max_tokens, "generation.temperature": 1.0, "generation.top_p": 1.0,
         "train.loss": "dr_grpo", "train.beta": 0.0, "train.learning_rate": s.lr, "train.max_grad_norm": 1.0,
         "train.max_tokens_per_micro_batch": 128 * (s.max_tokens + 64) if s.cuda else 4096,
-        "model.device": s.device, "model.gen_batch_size": 1024 if s.cuda else 16,
+        "model.device": s.device, "model.gen_batch_size": s.gen_batch if s.cuda else 16,
         "verify.workers": 2 if s.cuda else 1, "verify.require_boxed": True,
         "prompts.solve": s.prompt, "prompts.solve_prefix": "", "prompts.solve_stop": [],
         "eval.benchmarks": s.heldout, "eval.every": 1, "eval.samples": 0,
@@ -195,8 +196,9 @@ def label_is_right(question: str, label) -> bool | None:
     truth = sum_truth(question)
     if truth is None:
         return None
+    value = re.sub(r"[\s$,]|\\!|\\,", "", str(label).rsplit("=", 1)[-1]).rstrip(".")  # "47 + 38 = 85": 85
     try:
-        return float(str(label).strip()) == truth
+        return float(value) == truth
     except ValueError:
         return False
 
@@ -358,6 +360,25 @@ def run_arm(arm: str, seed: int, s: Settings, start: str, out: Path) -> dict:
 
 # ---------------------------------------------------------------------------- the report
 
+def partial_results(out: Path, finished: set[str]) -> list[dict]:
+    """Arms whose run stopped before the end (a killed job, out of memory, a time limit): what their
+    run directories hold, marked ``partial``, so a cut-short run still reports its finished rounds."""
+    found = []
+    for command in sorted((out / "runs").glob("*-s*.command.txt")):
+        label = command.name[:-len(".command.txt")]
+        arm, _, seed = label.rpartition("-s")
+        run_dir = out / "runs" / label
+        if label in finished or arm not in ARMS or not seed.isdigit() or not (run_dir / "metrics.jsonl").is_file():
+            continue
+        config = (run_dir / "config.toml").read_text(encoding="utf-8") if (run_dir / "config.toml").is_file() else ""
+        recipe = re.search(r'^recipe = "(\w+)"', config, re.MULTILINE)
+        settings = json.loads((out / "settings.json").read_text()) if (out / "settings.json").is_file() else {}
+        found.append({"arm": arm, "seed": int(seed), "partial": True, "settings": settings,
+                      "recipe": recipe.group(1) if recipe else None,
+                      **run_summary(run_dir, Path(settings.get("heldout", "addition_heldout_300")).stem)})
+    return found
+
+
 def standard_error(p: float, n: int) -> float:
     return math.sqrt(max(p * (1 - p), 0.0) / n) if n else float("nan")
 
@@ -379,14 +400,16 @@ def fmt(value, digits: int = 3) -> str:
 
 def report(out: Path) -> str:
     """The tables of every ``<arm>-s<seed>.json`` in ``out``; writes ``selfplay.json`` and ``.md``."""
-    results = sorted((json.loads(p.read_text()) for p in out.glob("*-s*.json")),
-                     key=lambda r: (ARMS.index(r["arm"]) if r["arm"] in ARMS else 99, r["seed"]))
+    results = [json.loads(p.read_text()) for p in out.glob("*-s*.json")]
+    results += partial_results(out, {f"{r['arm']}-s{r['seed']}" for r in results})
+    results.sort(key=lambda r: (ARMS.index(r["arm"]) if r["arm"] in ARMS else 99, r["seed"]))
     if not results:
         raise SystemExit(f"{out}: no arm results (<arm>-s<seed>.json)")
-    s = results[0]["settings"]
+    s = next(r["settings"] for r in results if r.get("settings"))
     start_file = out / "start" / "start.json"
     start_info = json.loads(start_file.read_text()) if start_file.is_file() else {}
-    n = s["heldout_limit"] or len(read_jsonl(Path(s["heldout"])))
+    n = s["heldout_limit"] or len(read_jsonl(Path(s["heldout"]))) or len(
+        read_jsonl(ROOT / "fixtures" / "bench" / Path(s["heldout"]).name))  # results moved from another machine
     start_acc = next((r["evals"][0]["greedy"] for r in results if r["arm"] == "start"), None)
     if start_acc is None:
         start_acc = next((c[0]["greedy"] for c in map(curve, results) if 0 in c), None)
@@ -406,7 +429,8 @@ def report(out: Path) -> str:
         gain = None if final is None or start_acc is None else final - start_acc
         se = math.sqrt(standard_error(start_acc or 0, n) ** 2 + standard_error(final or 0, n) ** 2) if c else None
         r["gain"], r["gain_se"] = gain, se
-        lines.append(f"| {r['arm']} | {r['seed']} | " + " | ".join(fmt(c[k]["greedy"]) if k in c else "-" for k in steps)
+        lines.append(f"| {r['arm']}{' (cut short)' if r.get('partial') else ''} | {r['seed']} | "
+                     + " | ".join(fmt(c[k]["greedy"]) if k in c else "-" for k in steps)
                      + f" | {fmt(gain)} ({fmt(se)}) | {fmt(r.get('harness_final_greedy'))} |")
     pass_rows = [(r, {k: v for k, v in curve(r).items() if any(x.startswith("pass@") and x != "pass@1" for x in v)})
                  for r in results]
@@ -420,13 +444,13 @@ def report(out: Path) -> str:
                 key = next(x for x in v if x.startswith("pass@") and x != "pass@1")
                 lines.append(f"| {r['arm']} | {r['seed']} | {k} | {fmt(v.get('greedy'))} | {fmt(v.get('mean@k'))} | "
                              f"{key} {fmt(v[key])} | {fmt(sum(entropy) / len(entropy) if entropy else None)} |")
-    round_rows = [r for r in results if r.get("rounds")]
+    round_rows = [r for r in results if r.get("rounds") and r["arm"] in LABEL_FREE]
     if round_rows:
         lines += ["", "## Per round: the solver's pool and the questioner", "",
                   "| arm | seed | round | pool | pseudo-label accuracy | well-formed | valid (A + B) | validity gate | novel |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in round_rows:
-            for i, st in sorted(r["rounds"].items(), key=lambda kv: int(kv[0])):
+            for i, st in sorted(((i, st) for i, st in r["rounds"].items() if st), key=lambda kv: int(kv[0])):
                 lines.append(f"| {r['arm']} | {r['seed']} | {i} | {st.get('pool', '-')} | "
                              f"{fmt(st.get('pseudo_label_accuracy'))} | {fmt(st.get('well_formed_rate'))} | "
                              f"{fmt(st.get('valid_rate'))} | {fmt(st.get('validity_gate_rate'))} | "
@@ -471,6 +495,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                        ("heldout-limit", int), ("pass-k", int)):
         parser.add_argument(f"--{name}", type=kind, default=None)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--gen-batch", type=int, default=1024, help="sequences per generate call on cuda (lower it "
+                        "when many arms share one GPU: each R-Zero arm holds two models and their caches)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--start", default=None, help="a start checkpoint (skips making one)")
     parser.add_argument("--parallel", type=int, default=None, help="arms at once (default: all on cuda, 1 on cpu)")
@@ -491,10 +517,12 @@ def main(argv=None) -> int:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     given = {k: getattr(args, k) for k in defaults(device) if getattr(args, k) is not None}
-    s = Settings(device=device, lr=args.lr, model=args.model, **{**defaults(device), **given})
+    s = Settings(device=device, lr=args.lr, model=args.model, gen_batch=args.gen_batch, **{**defaults(device), **given})
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"selfplay-{device.split(':')[0]}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     s.heldout = heldout_subset(s, out)
+    if not args.worker:
+        (out / "settings.json").write_text(json.dumps(asdict(s), indent=1) + "\n", encoding="utf-8")
     cuda = s.cuda
     if args.worker:  # one arm in this process: "ARM:SEED:START"
         import warnings
