@@ -1,0 +1,98 @@
+"""``benchmarks/selfplay.py``: its grading of pseudo-labels, the shuffled-label control, the report of
+a cut-short run, and a CPU smoke run with the real tiny model (a start made by rlvr, then one R-Zero
+round from it). The figures that matter are the GPU's (``benchmarks/results/selfplay-h200/``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import selfplay  # noqa: E402
+
+from sptool.recipes.rzero import shuffled_labels  # noqa: E402
+
+
+def test_a_pseudo_label_is_graded_by_its_part_after_the_last_equals_sign():
+    assert selfplay.sum_truth("What is 47 + 38?") == 85
+    assert selfplay.sum_truth("What is 9^3 - 1^2?") is None
+    assert selfplay.label_is_right("What is 12 + 27?", "12 + 27 = 39") is True
+    assert selfplay.label_is_right("What is 32 + 17?", "32 + 17 = 40") is False
+    assert selfplay.label_is_right("What is 75 + 32?", "107") is True
+    assert selfplay.label_is_right("What is 75 + 32?", "75+32") is False  # unevaluated: no answer
+    assert selfplay.label_is_right("What is 9^3 - 1^2?", "728") is None   # not a sum: not counted
+
+
+def test_the_shuffled_control_permutes_the_pools_labels_with_its_seed():
+    pool = [{"id": str(i), "question": f"What is {i} + 1?", "answer": str(i + 1), "label_source": "majority"}
+            for i in range(40)]
+    shuffled = shuffled_labels(pool, seed=7)
+    assert Counter(r["answer"] for r in shuffled) == Counter(r["answer"] for r in pool)  # same labels
+    assert [r["question"] for r in shuffled] == [r["question"] for r in pool]            # same questions
+    assert sum(r["answer"] != p["answer"] for r, p in zip(shuffled, pool)) >= 30          # moved
+    assert {r["label_source"] for r in shuffled} == {"shuffled"}
+    assert shuffled == shuffled_labels(pool, seed=7) and shuffled != shuffled_labels(pool, seed=8)
+
+
+def write_jsonl(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_the_report_reads_a_cut_short_arm_from_its_run_directory(tmp_path):
+    settings = selfplay.Settings(device="cuda", lr=1e-5, **selfplay.defaults("cuda"))
+    settings.heldout, settings.heldout_limit = str(tmp_path / "heldout.jsonl"), 0
+    write_jsonl(tmp_path / "heldout.jsonl", [{"question": "What is 1 + 1?", "answer": "2"}] * 100)
+    (tmp_path / "settings.json").write_text(json.dumps(selfplay.asdict(settings)))
+    run = tmp_path / "runs" / "rzero-s1"
+    run.mkdir(parents=True)
+    (tmp_path / "runs" / "rzero-s1.command.txt").write_text("python -m sptool.cli.main run --recipe rzero\n")
+    (run / "config.toml").write_text('recipe = "rzero"\n')
+    evals = [{"iteration": 1, "stage": "eval-before", "kind": "eval", "after_iteration": 0,
+              "benchmarks": {"heldout": {"greedy": 0.5}}},
+             {"iteration": 1, "stage": "eval", "kind": "eval", "after_iteration": 1,
+              "benchmarks": {"heldout": {"greedy": 0.75}}}]
+    write_jsonl(run / "metrics.jsonl", evals)
+    write_jsonl(run / "iter-0001" / "10-s-pool.jsonl",
+                [{"question": "What is 12 + 27?", "answer": "39"}, {"question": "What is 32 + 17?", "answer": "40"},
+                 {"question": "What is 2 + 2?", "answer": "2 + 2 = 4"}, {"question": "Name a colour?", "answer": "red"}])
+    write_jsonl(run / "iter-0001" / "02-q1-challenge.jsonl",
+                [{"question": "What is 12 + 27?", "valid": True}, {"question": "Name a colour?", "valid": True},
+                 {"question": None, "valid": False}])
+    write_jsonl(run / "iter-0001" / "02-q1-challenge.rejects.jsonl", [{"question": None, "valid": False}])
+
+    text = selfplay.report(tmp_path)
+    assert "| rzero (cut short) | 1 | 0.500 | 0.750 |" in text     # round 1 = 3 solver updates
+    assert "+0.250 (3 s.e. 0.198, seed 1): not met" in text        # √(.5·.5/100 + .75·.25/100) = 0.066; one seed is not two
+    summary = json.loads((tmp_path / "selfplay.json").read_text())
+    round_1 = summary["arms"][0]["rounds"]["1"]
+    assert round_1["pool"] == 4 and round_1["pseudo_label_accuracy"] == pytest.approx(2 / 3)
+    assert round_1["proposals"] == 4 and round_1["well_formed_rate"] == 0.5 and round_1["valid_rate"] == 0.25
+
+
+@pytest.mark.slow
+def test_selfplay_cpu_smoke_makes_a_start_and_runs_a_label_free_round_from_it(tmp_path):
+    out = tmp_path / "selfplay"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "selfplay.py"), "--device", "cpu",
+                             "--arms", "rzero", "--out", str(out)],
+                            capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    start = json.loads((out / "start" / "start.json").read_text())
+    assert "/ckpt/policy/step-0001" in start["checkpoint"]          # one rlvr step made the start
+    arm = json.loads((out / "rzero-s1.json").read_text())
+    assert arm["sets"]["model.solver"] == arm["sets"]["model.questioner"] == start["checkpoint"]
+    assert arm["sets"]["prompts.questioner"] == "sums" and arm["recipe"] == "rzero"
+    assert [e["after_iteration"] for e in arm["evals"]] == [0, 1]    # run's own held-out, before and after
+    assert arm["evals"][0]["greedy"] == start["evals"][-1]["greedy"]  # the arm starts where the start ended
+    assert 0.0 <= arm["harness_final_greedy"] <= 1.0
+    round_1 = arm["rounds"]["1"]
+    assert round_1["proposals"] == 8 and round_1["well_formed_rate"] is not None  # 4 + 4 questions written
+    assert (out / "heldout" / "addition_heldout_300.jsonl").read_text().count("\n") == 4
+    assert "| rzero | 1 |" in result.stdout and "## Targets" in result.stdout
+    assert "--recipe rzero" in (out / "runs" / "rzero-s1.command.txt").read_text()
