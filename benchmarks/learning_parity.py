@@ -649,6 +649,25 @@ def report(out: Path) -> str:
 
 # ---------------------------------------------------------------------------- main
 
+def run_workers(jobs: list[tuple[str, list[str]]], parallel: int) -> list[str]:
+    """Run ``(label, command)`` jobs, at most ``parallel`` at once (a new one starts as soon as any
+    ends); the labels of those that failed."""
+    failed: list[str] = []
+    running: list[tuple[str, subprocess.Popen]] = []
+    pending = list(jobs)
+    while pending or running:
+        while pending and len(running) < max(1, parallel):
+            label, command = pending.pop(0)
+            print(f"=== {label}", file=sys.stderr, flush=True)
+            running.append((label, subprocess.Popen(command)))
+        time.sleep(0.5)
+        for label, process in [(a, p) for a, p in running if p.poll() is not None]:
+            if process.returncode != 0:
+                failed.append(label)
+            running.remove((label, process))
+    return failed
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", default="sptool,sptool-fp32,bare,trl", help=f"comma-separated: {', '.join(ARMS)}")
@@ -731,22 +750,10 @@ def main(argv=None) -> int:
     unknown = [arm for arm in arms if arm not in ARMS]
     if unknown:
         raise SystemExit(f"--arms: unknown arm {unknown[0]!r}; choose from {', '.join(ARMS)}")
-    failed = []
-    running: list[tuple[str, subprocess.Popen]] = []
     base = list(argv if argv is not None else sys.argv[1:])
-    for arm in arms:  # each arm in its own process: same start, no state shared between arms
-        print(f"=== {arm}", file=sys.stderr, flush=True)
-        command = [sys.executable, __file__, *base, "--worker", arm, "--device", settings.device, "--out", str(out)]
-        running.append((arm, subprocess.Popen(command)))
-        while len(running) >= max(1, args.parallel):
-            done = [(a, p) for a, p in running if p.poll() is not None] or [running[0]]
-            for a, p in done:
-                if p.wait() != 0:
-                    failed.append(a)
-                running.remove((a, p))
-    for arm, process in running:
-        if process.wait() != 0:
-            failed.append(arm)
+    # each arm in its own process: same start, no state shared between arms
+    failed = run_workers([(arm, [sys.executable, __file__, *base, "--worker", arm, "--device", settings.device,
+                                 "--out", str(out)]) for arm in arms], args.parallel)
     print(report(out), end="")
     if failed:
         print(f"failed arms: {', '.join(failed)}", file=sys.stderr)

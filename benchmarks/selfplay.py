@@ -1,7 +1,8 @@
 """Self-play in miniature: does a label-free recipe make the tiny model better at held-out sums?
 
-One command runs every arm on one GPU (in parallel: the tiny model is small) and measures each the
-same way: held-out greedy accuracy on 300 two-digit sums no training set holds
+One command runs every arm on one GPU (four at a time: an R-Zero arm holds two models and their
+decoding caches, 20-40 GB) and measures each the same way: held-out greedy accuracy on 300
+two-digit sums no training set holds
 (``fixtures/bench/addition_heldout_300.jsonl``, the zero-shot prompt of ``learning_parity.py``,
 the strict grader: the last ``\\boxed{}``, its part after the last "=", must be the number),
 evaluated by ``sptool run`` itself before the first round and after every round (``--eval``,
@@ -499,7 +500,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "when many arms share one GPU: each R-Zero arm holds two models and their caches)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--start", default=None, help="a start checkpoint (skips making one)")
-    parser.add_argument("--parallel", type=int, default=None, help="arms at once (default: all on cuda, 1 on cpu)")
+    parser.add_argument("--parallel", type=int, default=None, help="arms at once (default: 4 on cuda, 1 on cpu; "
+                        "more than 4 R-Zero arms ran out of memory on a 140 GB GPU)")
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/selfplay-DEVICE)")
     parser.add_argument("--report", default=None, metavar="DIR", help="only write and print the tables of DIR")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -540,22 +542,13 @@ def main(argv=None) -> int:
     start = str(Path(args.start).resolve()) if args.start else make_start(s, out)
     print(f"=== start checkpoint: {start}", file=sys.stderr, flush=True)
     jobs = [(arm, seed) for arm in arms for seed in (seeds if arm != "start" else seeds[:1])]
-    parallel = args.parallel or (len(jobs) if cuda else 1)
+    parallel = args.parallel or (4 if cuda else 1)  # an R-Zero arm holds 20-40 GB of one GPU
     base = list(argv if argv is not None else sys.argv[1:])
-    failed, running = [], []
-    for arm, seed in jobs:  # each arm in its own process: the same start, nothing shared
-        command = [sys.executable, __file__, *base, "--device", device, "--out", str(out),
-                   "--worker", f"{arm}:{seed}:{start}"]
-        running.append((f"{arm}-s{seed}", subprocess.Popen(command)))
-        while len(running) >= max(1, parallel):
-            done = [(a, p) for a, p in running if p.poll() is not None] or [running[0]]
-            for a, p in done:
-                if p.wait() != 0:
-                    failed.append(a)
-                running.remove((a, p))
-    for label, process in running:
-        if process.wait() != 0:
-            failed.append(label)
+    from learning_parity import run_workers
+
+    # each arm in its own process: the same start, nothing shared
+    failed = run_workers([(f"{arm}-s{seed}", [sys.executable, __file__, *base, "--device", device, "--out", str(out),
+                                              "--worker", f"{arm}:{seed}:{start}"]) for arm, seed in jobs], parallel)
     print(report(out), end="")
     if failed:
         print(f"failed arms: {', '.join(failed)}", file=sys.stderr)
