@@ -125,7 +125,7 @@ def test_prompts_section_resolves_names_files_prefix_and_stop(cli, tmp_path):
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "sptool: error: key 'prompts.questioner': unknown questioner prompt 'arithmetc'. Did you mean "
-        "'arithmetic'? Packaged questioner prompts: rzero, arithmetic; or give a template file path")
+        "'arithmetic'? Packaged questioner prompts: rzero, arithmetic, sums; or give a template file path")
 
 
 def test_merge_order_set_beats_config_beats_tiny_beats_recipe(cli, tmp_path):
