@@ -27,6 +27,11 @@ checkpoint, as a check that the two graders agree.
    - ``rlvr``: the same number of solver updates with the true labels (the upper line);
    - ``svs``: SvS, labels for the originals, variational problems from the solver's own correct
      answers; compared with ``rlvr`` on pass@k and the policy's entropy;
+   - ``wist``: WIST from the start: the packaged domain tree, titles and offline pages
+     (``local:package:web``), the challenger writing a question from a page, the solver's
+     agreement with it as the learnability that updates the leaves' posteriors;
+   - ``wist-uniform``: its control, paths drawn with every child equally likely
+     (``wist.path_rule=uniform``): does the posterior send the paths where the solver improves?
    - ``start``: the start evaluated again (greedy: the same number every time; it is the line the
      others are measured from).
 
@@ -34,7 +39,8 @@ checkpoint, as a check that the two graders agree.
    pool's size and its pseudo-label accuracy (a sum's truth is computable from the question), the
    questioner's well-formed rate (a proposal parsed into a question), its *valid* rate (a
    well-formed ``A + B`` question), R-Quest's validity-gate and novelty-gate pass rates, and the
-   policy entropy and reward of the solver's updates.
+   policy entropy and reward of the solver's updates; for WIST, per leaf: its questions, the
+   solver's mean agreement p̂ with the challenger, and the leaf's posterior mean.
 
 Results: ``OUT/<arm>-s<seed>.json`` per arm, ``OUT/selfplay.json`` and ``OUT/selfplay.md`` (the
 tables, standard errors, and the issue's targets checked).
@@ -67,7 +73,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-ARMS = ("start", "rlvr", "rzero", "rquest", "shuffled", "svs")
+ARMS = ("start", "rlvr", "rzero", "rquest", "shuffled", "svs", "wist", "wist-uniform")
 LABEL_FREE = ("rzero", "rquest", "shuffled")
 SUM = re.compile(r"^\s*What is (-?\d+)\s*\+\s*(-?\d+)\s*\?\s*$")
 
@@ -153,7 +159,22 @@ def arm_plan(arm: str, s: Settings, start: str) -> tuple[str, int, dict]:
             **sets, **round_sets(s, "rquest"), "model.policy": start, "rquest.validity_samples": 3,
             "rquest.novelty_judge": "lexical", "rquest.novelty_k": 3, "rquest.init_steps": 3,
             "rquest.init_batch": 12, "rquest.init_samples": s.samples, "prompts.validity": "direct"}
+    if arm in ("wist", "wist-uniform"):
+        return "wist", s.rounds, {**sets, **wist_sets(s), "model.policy": start,
+                                  "wist.path_rule": "uniform" if arm == "wist-uniform" else "thompson"}
     raise ValueError(arm)
+
+
+def wist_sets(s: Settings) -> dict:
+    """WIST at this scale: the packaged tree, titles and pages (offline), ``questions`` paths of
+    G = K = ``samples``, as many completions per update as make ``solver_steps`` updates a round."""
+    paths = s.questions if s.cuda else 2
+    completions = paths * 2 * s.samples  # challenger candidates + solver samples of the drawn QAs, at most
+    return {f"wist.{key}": value for key, value in {
+        "tree": "package:tree.json", "titles": "package:titles.txt", "search": "local:package:web",
+        "query_from": "path", "encoder": "none", "min_chars": 200, "paths": paths, "candidates": s.samples,
+        "samples": s.samples, "max_document_chars": 600, "expand_max_tokens": 16, "max_attempts": 1,
+        "train_batch": -(-completions // s.solver_steps)}.items()} | {"prompts.challenger": "documents-short"}
 
 
 def sptool_run(recipe: str, run_dir: Path, iterations: int, sets: dict, seed: int, label: str) -> None:
@@ -247,7 +268,36 @@ def round_stats(run_dir: Path, iteration: int) -> dict:
     if judged:
         stats["novel_rate"] = share(sum(not r.get("duplicate", False) and r.get("novel", True) is not False
                                         for r in judged), len(judged))
+    leaves = leaf_stats([r for p in step_files(run_dir, iteration, "verify") for r in read_jsonl(p)])
+    if leaves:
+        stats["leaves"] = leaves
     return stats
+
+
+def leaf_stats(verified: list[dict]) -> dict:
+    """WIST, per leaf of a round's graded questions: how many, and the solver's mean agreement p̂
+    with the challenger's answer."""
+    leaves: dict = {}
+    for record in verified:
+        if record.get("leaf") is None or record.get("p_hat") is None:
+            continue
+        entry = leaves.setdefault(record["leaf"], {"questions": 0, "p_hat_sum": 0.0})
+        entry["questions"] += 1
+        entry["p_hat_sum"] += float(record["p_hat"])
+    return {leaf: {"questions": e["questions"], "mean_p_hat": e["p_hat_sum"] / e["questions"]}
+            for leaf, e in sorted(leaves.items())}
+
+
+def posterior_means(lines: list[dict]) -> dict:
+    """WIST: the tree's nodes after each round's posterior update, ``{iteration: {label: mean}}``
+    (the nodes at the deepest level of that tree: the leaves paths end at)."""
+    out = {}
+    for line in lines:
+        if line.get("kind") == "posterior-update" and line.get("tree"):
+            deepest = max(node["depth"] for node in line["tree"])
+            out[str(line["iteration"])] = {node["label"]: node["mean"] for node in line["tree"]
+                                           if node["depth"] == deepest}
+    return out
 
 
 def run_summary(run_dir: Path, heldout_name: str) -> dict:
@@ -266,6 +316,7 @@ def run_summary(run_dir: Path, heldout_name: str) -> dict:
     iterations = sorted({line["iteration"] for line in lines if isinstance(line.get("iteration"), int)
                          and line["iteration"] > 0})
     return {"evals": evals, "rounds": {str(i): round_stats(run_dir, i) for i in iterations},
+            "posterior": posterior_means(lines),
             "updates": [{k: v for k, v in u.items() if k in ("iteration", "stage", "step", "entropy", "loss",
                                                               "ratio_mean", "ratio_max", "clip_fraction",
                                                               "logprob_gap", "groups", "groups_with_signal")}
@@ -380,6 +431,27 @@ def partial_results(out: Path, finished: set[str]) -> list[dict]:
     return found
 
 
+def leaf_totals(result: dict) -> dict:
+    """WIST, per leaf over the arm's rounds: ``{leaf: {questions, first, last}}`` (the mean p̂ of
+    the first and the last round that drew the leaf)."""
+    totals: dict = {}
+    for _, stats in sorted(result.get("rounds", {}).items(), key=lambda kv: int(kv[0])):
+        for leaf, figures in (stats or {}).get("leaves", {}).items():
+            entry = totals.setdefault(leaf, {"questions": 0, "first": figures["mean_p_hat"], "last": None})
+            entry["questions"] += figures["questions"]
+            entry["last"] = figures["mean_p_hat"]
+    return totals
+
+
+def later_share(result: dict, leaves: set) -> float | None:
+    """The share of an arm's graded questions, in the later half of its rounds, written from ``leaves``."""
+    rounds = sorted(result.get("rounds", {}), key=int)
+    later = rounds[len(rounds) // 2:]
+    counts = [(leaf in leaves, f["questions"]) for i in later
+              for leaf, f in (result["rounds"][i] or {}).get("leaves", {}).items()]
+    return share(sum(n for inside, n in counts if inside), sum(n for _, n in counts))
+
+
 def standard_error(p: float, n: int) -> float:
     return math.sqrt(max(p * (1 - p), 0.0) / n) if n else float("nan")
 
@@ -456,6 +528,21 @@ def report(out: Path) -> str:
                              f"{fmt(st.get('pseudo_label_accuracy'))} | {fmt(st.get('well_formed_rate'))} | "
                              f"{fmt(st.get('valid_rate'))} | {fmt(st.get('validity_gate_rate'))} | "
                              f"{fmt(st.get('novel_rate'))} |")
+    wist_rows = [r for r in results if r["arm"] in ("wist", "wist-uniform") and r.get("rounds")]
+    if wist_rows:
+        lines += ["", "## WIST: where the paths go", "",
+                  "Per leaf, over every round: the graded questions written from its pages (their share), the "
+                  "solver's mean agreement p̂ with the challenger in the first and the last round that drew the "
+                  "leaf, and the leaf's posterior mean after the last round.", "",
+                  "| arm | seed | leaf | questions (share) | p̂ first → last | posterior mean |",
+                  "|---|---|---|---|---|---|"]
+        for r in wist_rows:
+            totals = leaf_totals(r)
+            everything = sum(t["questions"] for t in totals.values()) or 1
+            last_posterior = r.get("posterior", {}).get(max(r.get("posterior") or {"0": 0}, key=int), {})
+            for leaf, t in sorted(totals.items(), key=lambda kv: -kv[1]["questions"]):
+                lines.append(f"| {r['arm']} | {r['seed']} | {leaf} | {t['questions']} ({t['questions'] / everything:.2f}) | "
+                             f"{fmt(t['first'])} → {fmt(t['last'])} | {fmt(last_posterior.get(leaf))} |")
     # the issue's targets
     lines += ["", "## Targets", ""]
     for arm in ("rzero", "rquest", "shuffled"):
@@ -475,6 +562,20 @@ def report(out: Path) -> str:
         ok = all(a is not None and b is not None and a >= b for _, a, b in pairs)
         lines.append(f"- valid rate, R-Quest ≥ R-Zero in every round (seed {seed}): {'met' if ok else 'not met'} "
                      + ", ".join(f"round {i}: {fmt(a)} vs {fmt(b)}" for i, a, b in pairs))
+    for seed in sorted({r["seed"] for r in wist_rows}):
+        pair = {r["arm"]: r for r in wist_rows if r["seed"] == seed}
+        if set(pair) != {"wist", "wist-uniform"}:
+            continue
+        # the leaves where the solver improved, as the uniform arm (which draws every leaf alike) saw them
+        improving = {leaf for leaf, t in leaf_totals(pair["wist-uniform"]).items()
+                     if t["first"] is not None and t["last"] is not None and t["last"] > t["first"]}
+        shares = {arm: later_share(pair[arm], improving) for arm in pair}
+        ok = shares["wist"] is not None and shares["wist-uniform"] is not None and shares["wist"] > shares["wist-uniform"]
+        verdicts[f"wist_seed_{seed}"] = {"improving_leaves": sorted(improving), "later_share": shares, "met": ok}
+        lines.append(f"- WIST's later paths go to the leaves where the solver improved (seed {seed}; "
+                     f"{', '.join(sorted(improving)) or 'none'}): share of its questions there in the later half of "
+                     f"the rounds {fmt(shares['wist'])} against the uniform arm's {fmt(shares['wist-uniform'])}: "
+                     f"{'met' if ok else 'not met'}")
     text = "\n".join(lines) + "\n"
     summary = {"settings": s, "start": {"greedy": start_acc, **{k: v for k, v in start_info.items() if k != "updates"}},
                "heldout_problems": n, "arms": results, "targets": verdicts}

@@ -76,6 +76,48 @@ def test_the_report_reads_a_cut_short_arm_from_its_run_directory(tmp_path):
     assert round_1["proposals"] == 4 and round_1["well_formed_rate"] == 0.5 and round_1["valid_rate"] == 0.25
 
 
+def test_the_wist_arms_report_where_the_paths_go_against_the_uniform_control(tmp_path):
+    """WIST and its uniform-path control, read from their run directories: per leaf, the graded
+    questions, the solver's p̂ first → last and the posterior mean; the target compares, in the later
+    rounds, the share of questions on the leaves where the (uniform arm's) solver improved."""
+    settings = selfplay.Settings(device="cuda", lr=1e-5, **selfplay.defaults("cuda"))
+    settings.heldout, settings.heldout_limit = str(tmp_path / "heldout.jsonl"), 0
+    write_jsonl(tmp_path / "heldout.jsonl", [{"question": "What is 1 + 1?", "answer": "2"}] * 100)
+    (tmp_path / "settings.json").write_text(json.dumps(selfplay.asdict(settings)))
+    # round r: (leaf, p̂) of each graded question; Topology improves, Group theory does not
+    rounds = {"wist": {1: [("Topology", 0.0), ("Group theory", 0.5)],
+                       2: [("Topology", 0.25), ("Topology", 0.5), ("Topology", 0.25), ("Group theory", 0.5)]},
+              "wist-uniform": {1: [("Topology", 0.0), ("Group theory", 0.5)],
+                               2: [("Topology", 0.5), ("Group theory", 0.25)]}}
+    for arm, by_round in rounds.items():
+        run = tmp_path / "runs" / f"{arm}-s1"
+        (tmp_path / "runs").mkdir(exist_ok=True)
+        (tmp_path / "runs" / f"{arm}-s1.command.txt").write_text("python -m sptool.cli.main run --recipe wist\n")
+        (run / "iter-0001").mkdir(parents=True)
+        (run / "config.toml").write_text('recipe = "wist"\n')
+        lines = []
+        for i, graded in by_round.items():
+            write_jsonl(run / f"iter-{i:04d}" / "05-verify.jsonl",
+                        [{"leaf": leaf, "p_hat": p, "question": "q", "valid": True} for leaf, p in graded]
+                        + [{"leaf": "Topology", "valid": False}])  # an invalid candidate: not graded
+            lines.append({"iteration": i, "stage": "posterior-update", "kind": "posterior-update",
+                          "tree": [{"label": "mathematics", "depth": 1, "mean": 0.5, "visits": i},
+                                   {"label": "Topology", "depth": 3, "mean": 0.5 + 0.1 * i, "visits": i},
+                                   {"label": "Group theory", "depth": 3, "mean": 0.5 - 0.1 * i, "visits": i}]})
+            lines.append({"iteration": i, "stage": "eval", "kind": "eval", "after_iteration": i,
+                          "benchmarks": {"heldout": {"greedy": 0.5}}})
+        write_jsonl(run / "metrics.jsonl", lines)
+
+    text = selfplay.report(tmp_path)
+    assert "| wist | 1 | Topology | 4 (0.67) | 0.000 → 0.333 | 0.700 |" in text
+    assert "| wist-uniform | 1 | Group theory | 2 (0.50) | 0.500 → 0.250 | 0.300 |" in text
+    # improving (as the uniform arm saw it): Topology; later half = round 2: wist 3/4 there, uniform 1/2
+    assert ("share of its questions there in the later half of the rounds 0.750 against the uniform arm's "
+            "0.500: met") in text
+    summary = json.loads((tmp_path / "selfplay.json").read_text())
+    assert summary["targets"]["wist_seed_1"]["improving_leaves"] == ["Topology"]
+
+
 @pytest.mark.slow
 def test_selfplay_cpu_smoke_makes_a_start_and_runs_a_label_free_round_from_it(tmp_path):
     out = tmp_path / "selfplay"

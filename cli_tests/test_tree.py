@@ -152,6 +152,28 @@ def test_thompson_path_frequencies_match_integrated_probabilities():
     assert set(counts) == set(expected)
 
 
+def test_the_uniform_path_rule_ignores_the_posteriors():
+    """The control arm's rule: a child with a strong posterior is drawn no more often than one
+    with a weak posterior (1/2 each), where Thompson sampling draws it almost always."""
+    tree = new_tree("mathematics", max_depth=2, max_children=2, children=["strong", "weak"])
+    dom = domain_id(tree)
+    strong, weak = child_by_label(tree, dom, "strong"), child_by_label(tree, dom, "weak")
+    set_window(tree, strong, [1] * 5)  # Beta(6, 1)
+    set_window(tree, weak, [0] * 5)    # Beta(1, 6)
+    n = 4000
+    for rule, low, high in (("thompson", 0.98, 1.0), ("uniform", 0.46, 0.54)):
+        rng = np.random.default_rng(7)
+        share = sum(thompson_sample_path(tree, rng, rule=rule)[1] == strong for _ in range(n)) / n
+        assert low <= share <= high, (rule, share)
+    with pytest.raises(ValueError, match="thompson, uniform"):
+        thompson_sample_path(tree, np.random.default_rng(0), rule="greedy")
+    from sptool.core.records import UsageError
+    from sptool.stages.tree import ExpandOptions
+
+    with pytest.raises(UsageError, match="--path-rule"):
+        ExpandOptions(path_rule="greedy")
+
+
 def test_cap_masks_unk():
     tree = new_tree("mathematics", max_depth=2, max_children=2, children=["A"])
     dom = domain_id(tree)

@@ -82,6 +82,9 @@ def expand(
     proposals: int = typer.Option(1, "--proposals", help="Samples per proposal round (reference code: 5)."),
     min_votes: int = typer.Option(1, "--min-votes",
                                   help="Keep a label proposed at least this often (reference code: 2)."),
+    path_rule: str = typer.Option("thompson", "--path-rule",
+                                  help="thompson (WIST §3.2: draw from each child's posterior) or uniform "
+                                       "(every child equally likely: the control that ignores the posteriors)."),
     reference_voting: bool = typer.Option(False, "--reference-voting",
                                           help="The reference code's rule: --proposals 5 --min-votes 2."),
     temperature: float = common.TemperatureOpt,
@@ -108,7 +111,7 @@ def expand(
         proposals, min_votes = max(proposals, 5), max(min_votes, 2)
     options = ExpandOptions(tau_wiki=tau_wiki, duplicate_threshold=duplicate_threshold,
                             max_attempts=max_attempts, proposals=proposals, min_votes=min_votes,
-                            max_children=max_children)
+                            max_children=max_children, path_rule=path_rule)
     spec = prompt_options.load("tree")
     tree = load_tree(tree_path)
     title_backend = load_title_backend(titles, wiki_url, api=wiki_api, timeout_s=wiki_timeout,

@@ -57,6 +57,9 @@ class WistConfig(WistOptions):
                               "WIST App. D", minimum=0, maximum=1)
     tau_emb: float = setting(DEFAULT_TAU_EMB, "title semantic similarity threshold τ_emb",
                              "WIST App. D")
+    path_rule: str = setting("thompson", "how the tree expansion draws its paths: Thompson sampling from "
+                             "the nodes' posteriors (thompson), or every child equally likely (uniform: "
+                             "the control that ignores the posteriors)", "WIST §3.2", choices=T.PATH_RULES)
     posterior_rule: str = setting("variance", "g = 1(Var ≥ τ_var) (variance, Eq. 15) or the reference "
                                   "code's rule (reference)", "WIST Eq. 15", choices=T.RULES)
     titles: str = setting("", "offline title list for node validation; empty: Wikipedia")
@@ -133,7 +136,8 @@ class Wist(Recipe):
         ctx.save_document("tree", tree, summary)
 
     def expand(self, ctx: StepContext, records: list[dict]) -> list[dict]:
-        """Sample ``paths`` paths (Thompson) and expand the tree along them (WIST §3.2)."""
+        """Sample ``paths`` paths (Thompson, or uniformly: ``path_rule``) and expand the tree along
+        them (WIST §3.2)."""
         from sptool.models.base import SamplingParams
         from sptool.stages.tree.title_sources import load_title_backend
         from sptool.stages.tree import ExpandOptions, TreeExpander
@@ -146,7 +150,7 @@ class Wist(Recipe):
                                 max_new_tokens=c.expand_max_tokens, seed=ctx.seed)
         options = ExpandOptions(tau_wiki=c.tau_wiki, max_attempts=c.max_attempts, max_children=c.max_children,
                                 proposals=c.proposals, min_votes=c.min_votes,
-                                duplicate_threshold=c.duplicate_threshold)
+                                duplicate_threshold=c.duplicate_threshold, path_rule=c.path_rule)
         expander = TreeExpander(self.session.policy("policy").backend, titles, params=params,
                                 options=options, log=self.session.say, prompt=self.session.prompt("tree"))
         out = expander.expand(tree, c.paths, ctx.seed)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from sptool.stages.tree.document import (  # noqa: F401
     DEFAULT_DUPLICATE_THRESHOLD, DEFAULT_MAX_CHILDREN, DEFAULT_MAX_DEPTH,
-    DEFAULT_TAU_WIKI, DEFAULT_WINDOW, MAX_REJECTIONS_KEPT, ROOT_ID,
+    DEFAULT_TAU_WIKI, DEFAULT_WINDOW, MAX_REJECTIONS_KEPT, PATH_RULES, ROOT_ID,
     SCHEMA, UNK_LABEL, VERSION, _NODE_FIELDS, _node, _unk_child, add_node, candidate_children,
     load_tree, new_tree, node_id_for, node_path_labels, real_children, record_observation,
     save_tree, thompson_sample_path, tree_rows, unk_id_for, validate_tree)

@@ -131,14 +131,22 @@ def candidate_children(tree: dict, node_id: str, masked_unk: frozenset | set = f
     return children
 
 
+PATH_RULES = ("thompson", "uniform")
+
+
 def thompson_sample_path(tree: dict, rng, masked_unk: frozenset | set = frozenset(), *,
-                         start: str | None = None) -> list[str]:
+                         start: str | None = None, rule: str = "thompson") -> list[str]:
     """Descend from ``start`` (default: the root): at each depth draw θ ~ Beta(α̃, β̃) for every
     candidate child and take the argmax (WIST §3.2). Stops at a leaf (depth L) or at a chosen
     ``unk`` (growth needed), or at a node with no candidates. Returns the node ids below ``start``.
 
+    ``rule="uniform"`` is the control that ignores the posteriors: θ ~ Beta(1, 1) for every
+    child, so each candidate is equally likely at every depth.
+
     ``rng`` is a ``numpy.random.Generator``; ``masked_unk`` holds parent ids whose unk is masked.
     """
+    if rule not in PATH_RULES:
+        raise ValueError(f"path rule must be one of {', '.join(PATH_RULES)}, got {rule!r}")
     nodes = tree["nodes"]
     current = tree["root"] if start is None else start
     path: list[str] = []
@@ -146,7 +154,8 @@ def thompson_sample_path(tree: dict, rng, masked_unk: frozenset | set = frozense
         candidates = candidate_children(tree, current, masked_unk)
         if not candidates:
             break
-        draws = [rng.beta(*beta_posterior(nodes[c]["window"])) for c in candidates]
+        draws = [rng.beta(*(beta_posterior(nodes[c]["window"]) if rule == "thompson" else (1, 1)))
+                 for c in candidates]
         current = candidates[max(range(len(draws)), key=draws.__getitem__)]
         path.append(current)
         if nodes[current]["is_unk"]:

@@ -8,8 +8,8 @@ from collections import Counter
 from typing import Callable, Sequence
 
 from sptool.core.records import UsageError, content_id
-from sptool.stages.tree.document import (DEFAULT_DUPLICATE_THRESHOLD, DEFAULT_TAU_WIKI, add_node, node_path_labels,
-                                   real_children, thompson_sample_path)
+from sptool.stages.tree.document import (DEFAULT_DUPLICATE_THRESHOLD, DEFAULT_TAU_WIKI, PATH_RULES, add_node,
+                                   node_path_labels, real_children, thompson_sample_path)
 from sptool.stages.tree.titles import clean_proposal, near_duplicate, title_match
 
 
@@ -28,8 +28,11 @@ class ExpandOptions:
     title_limit: int = 10          # titles requested per validation search
     max_restarts: int = 5          # path restarts after a failed expansion
     max_children: int | None = None  # override the tree's per-node cap
+    path_rule: str = "thompson"    # or "uniform": the control that ignores the posteriors
 
     def __post_init__(self) -> None:
+        if self.path_rule not in PATH_RULES:
+            raise UsageError(f"--path-rule must be one of {', '.join(PATH_RULES)}, got {self.path_rule!r}")
         if not 0 <= self.tau_wiki <= 1:
             raise UsageError(f"--tau-wiki must be in [0, 1], got {self.tau_wiki}")
         if not 0 < self.duplicate_threshold <= 1:
@@ -178,7 +181,7 @@ class TreeExpander:
         for index in range(paths):
             path = None
             for _restart in range(self.options.max_restarts + 1):
-                candidate = thompson_sample_path(tree, rng, failed_parents)
+                candidate = thompson_sample_path(tree, rng, failed_parents, rule=self.options.path_rule)
                 while candidate and tree["nodes"][candidate[-1]]["is_unk"]:
                     parent_id = tree["nodes"][candidate[-1]]["parent"]
                     new_id = self.grow(tree, parent_id, seed)
@@ -186,7 +189,8 @@ class TreeExpander:
                         failed_parents.add(parent_id)
                         break
                     candidate[-1] = new_id
-                    rest = thompson_sample_path(tree, rng, failed_parents, start=new_id)
+                    rest = thompson_sample_path(tree, rng, failed_parents, start=new_id,
+                                                rule=self.options.path_rule)
                     candidate.extend(rest)
                 if candidate and not tree["nodes"][candidate[-1]]["is_unk"] \
                         and tree["nodes"][candidate[-1]]["depth"] == tree["max_depth"]:
