@@ -33,6 +33,7 @@ from sptool.models.tokenizer import load_tokenizer, render_prompt
 from sptool.core.records import RuntimeFailure, UsageError
 
 MAX_CACHES = 4          # static caches kept between calls (least recently used dropped first)
+DECODERS = ("generate", "step")
 
 
 def pick_device(device: str | None) -> str:
@@ -79,7 +80,7 @@ class HFBackend:
 
     def __init__(self, model: str = "tiny", *, device: str | None = None, dtype: str | None = None,
                  batch_size: int = 64, chat_template: bool = True, static_cache: bool = False,
-                 compile: bool = False, log=None, **_: Any):
+                 compile: bool = False, decoder: str = "generate", log=None, **_: Any):
         import torch
         import transformers
         from transformers import AutoModelForCausalLM
@@ -105,12 +106,12 @@ class HFBackend:
             raise load_failure(model, exc) from None
         self._attach(model_obj.to(device).eval(), tokenizer, model_id=model, path=path, device=device,
                      batch_size=batch_size, chat_template=chat_template, static_cache=static_cache,
-                     compile=compile, log=log)
+                     compile=compile, decoder=decoder, log=log)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, *, model_id: str, batch_size: int = 64,
                    chat_template: bool = True, static_cache: bool = False, compile: bool = False,
-                   log=None, autocast=None) -> "HFBackend":
+                   decoder: str = "generate", log=None, autocast=None) -> "HFBackend":
         """A backend over an already loaded ``model`` (e.g. a trainer's policy: no copy, so it
         always generates with the current weights, whatever their dtype; the compiled path reads
         the parameters in place too). ``tokenizer`` None: loaded from ``model_id``.
@@ -120,7 +121,7 @@ class HFBackend:
         backend = cls.__new__(cls)
         backend._attach(model, tokenizer if tokenizer is not None else load_tokenizer(model_id),
                         model_id=model_id, path=model_id, batch_size=batch_size, chat_template=chat_template,
-                        static_cache=static_cache, compile=compile, log=log)
+                        static_cache=static_cache, compile=compile, decoder=decoder, log=log)
         backend.autocast = autocast
         return backend
 
@@ -131,12 +132,17 @@ class HFBackend:
 
     def _attach(self, model, tokenizer, *, model_id: str, path: str, batch_size: int, chat_template: bool,
                 device: str | None = None, static_cache: bool = False, compile: bool = False,
-                log=None) -> None:
+                decoder: str = "generate", log=None) -> None:
         """Every attribute a backend has, set in one place (by ``__init__`` and ``from_model``).
 
         ``compile`` is honoured on CUDA only (elsewhere it is ignored: eager decoding, unless
-        ``static_cache`` asks for the static cache alone); it implies the static cache."""
+        ``static_cache`` asks for the static cache alone); it implies the static cache.
+        ``decoder``: ``generate`` (transformers' own) or ``step`` (:mod:`sptool.models.step_decoder`;
+        ``compile`` then compiles its whole step)."""
         import torch
+
+        if decoder not in DECODERS:
+            raise UsageError(f"unknown decoder '{decoder}'; choose from {', '.join(DECODERS)}")
 
         parameter = next(model.parameters())
         self.model_id, self.path = model_id, path
@@ -164,6 +170,10 @@ class HFBackend:
         self.shapes_seen: set[tuple[int, int]] = set()
         self.decode_steps = 0  # decoding steps run (generated columns, summed over batches)
         self._compile_proven = False  # a compiled call succeeded (later failures are real errors)
+        self.decoder = decoder
+        self.share_prefill = True  # step decoder: one prefill per distinct prompt of a batch
+        self._step_decoder = None  # built on the first step-decoded call
+        self._step_proven = False  # a step-decoded call succeeded (later failures are real errors)
 
     def _give_up_compile(self, exc: Exception) -> None:
         """The first compiled call failed: say why once and decode eagerly from now on."""
@@ -174,9 +184,21 @@ class HFBackend:
         self.compile = self.static_cache = False
         self._caches.clear()
 
+    def _give_up_step(self, why: str) -> None:
+        """The step decoder can't run this model: say why once and use ``generate`` from now on."""
+        if self.log is not None:
+            self.log(f"note: the step decoder can't run this model ({why[:200]}); decoding with "
+                     f"transformers' generate (model.decoder=generate)")
+        self.decoder = "generate"
+        self._step_decoder = None
+        self._caches.clear()
+
     @property
     def decoding(self) -> str:
-        """How this backend decodes: ``compiled`` (static cache + CUDA graphs), ``static`` or ``eager``."""
+        """How this backend decodes: ``compiled`` (static cache + CUDA graphs), ``static`` or ``eager``;
+        ``step`` or ``step-compiled`` with the step decoder."""
+        if self.decoder == "step":
+            return "step-compiled" if self.compile else "step"
         return "compiled" if self.compile else "static" if self.static_cache else "eager"
 
     def cache_bytes(self) -> int:
@@ -227,6 +249,8 @@ class HFBackend:
         return render_prompt(self.tokenizer, prompt, self.chat_template)
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
+        if self.decoder == "step":
+            return self._generate_step(prompts, n, params)
         torch = self._torch
         self.model.eval()  # a shared trainer's model may be left in train mode (dropout)
         texts = [self.render(p) for p in prompts]
@@ -317,22 +341,96 @@ class HFBackend:
             new_tokens = sequences[:, prompt_length:].tolist()
             logprob_rows = recorder.rows(sequences[:, prompt_length:]) if recorder else None
             for row, (prompt_index, _) in enumerate(batch):
-                ids = new_tokens[row]
-                finish = "length"
-                for position, token in enumerate(ids):
-                    if token in eos_ids:
-                        ids = ids[:position + 1]
-                        finish = "stop"
-                        break
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                stop_string = None
-                if params.stop:
-                    ids, text, stop_string = self._cut_at_stop(ids, text, params.stop)
-                    finish = "stop" if stop_string is not None else finish
-                logprobs = logprob_rows[row][:len(ids)] if logprob_rows is not None else None
-                results[prompt_index].append(Sample(text=prefixes[prompt_index] + text, n_tokens=len(ids),
-                                                    finish_reason=finish, logprobs=logprobs,
-                                                    token_ids=ids, stop_string=stop_string))
+                results[prompt_index].append(self._sample(new_tokens[row], logprob_rows[row] if logprob_rows
+                                                          is not None else None, prefixes[prompt_index],
+                                                          params, eos_ids))
+        return results
+
+    def _sample(self, ids: list[int], logprobs: list[float] | None, prefix: str, params: SamplingParams,
+                eos_ids: list[int]) -> Sample:
+        """A row's generated ids as a Sample: cut after the first EOS, then at a stop string."""
+        finish = "length"
+        for position, token in enumerate(ids):
+            if token in eos_ids:
+                ids = ids[:position + 1]
+                finish = "stop"
+                break
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        stop_string = None
+        if params.stop:
+            ids, text, stop_string = self._cut_at_stop(ids, text, params.stop)
+            finish = "stop" if stop_string is not None else finish
+        logprobs = logprobs[:len(ids)] if logprobs is not None else None
+        return Sample(text=prefix + text, n_tokens=len(ids), finish_reason=finish, logprobs=logprobs,
+                      token_ids=ids, stop_string=stop_string)
+
+    def _generate_step(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
+        """``generate`` through the step decoder (:mod:`sptool.models.step_decoder`): the same
+        batches, samples and contract; each distinct prompt of a batch prefilled once."""
+        from sptool.models.step_decoder import StepDecoder, row_map_of, unsupported
+
+        torch = self._torch
+        self.model.eval()
+        texts = [self.render(p) for p in prompts]
+        prefixes = [split_response_prefix(p)[1] for p in prompts]
+        jobs = [(index, text) for index, text in enumerate(texts) for _ in range(n)]
+        results: list[list[Sample]] = [[] for _ in prompts]
+        eos_ids = self._eos_ids()
+        pad_id = self.tokenizer.pad_token_id
+        pad_id = pad_id if pad_id is not None else (eos_ids[0] if eos_ids else 0)
+        listener = token_listener()
+        stop_check = None
+        if params.stop:
+            def stop_check(columns, rows):
+                decoded = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+                return [index for index, text in enumerate(decoded) if cut_at_stop(text, params.stop)[1]]
+        for batch_index in range(0, len(jobs), self.batch_size):
+            batch = jobs[batch_index:batch_index + self.batch_size]
+            left = params.seconds_left()
+            if left is not None and left <= 0:
+                break  # past the deadline: the caller sees missing samples and drops the batch
+            # rows bucketed when compiled (few CUDA graphs); the padding rows finish at once
+            rows = bucket_rows(len(batch), self.batch_size) if self.compile else len(batch)
+            distinct, row_map = row_map_of([text for _, text in batch], rows, self.share_prefill)
+            encoded = self.tokenizer(distinct, return_tensors="pt", padding=True,
+                                     add_special_tokens=False).to(self.device)
+            prompt_length = encoded["input_ids"].shape[1]
+            length = bucket_length(prompt_length + params.max_new_tokens)
+            with torch.inference_mode():
+                cache, fresh = self._static_cache(rows, length)
+            if self._step_decoder is None:
+                why = unsupported(self.model, cache)
+                if why is not None:
+                    self._give_up_step(why)
+                    return self.generate(prompts, n, params)
+                self._step_decoder = StepDecoder(self.model, compile=self.compile)
+            if self.compile and (rows, length) not in self.shapes_seen and self.log is not None:
+                self.log(f"hf: new decoding shape {rows} rows x {length} positions: compiling or "
+                         f"recording the step decoder's CUDA graph (the first compile takes a while)")
+            self.shapes_seen.add((rows, length))
+            torch.manual_seed(params.seed * 1_000_003 + batch_index)
+            with torch.inference_mode(), regional_compile_off(self.model), self._autocast():
+                try:
+                    decoded = self._step_decoder.decode(
+                        cache, encoded["input_ids"], encoded["attention_mask"],
+                        torch.tensor(row_map, dtype=torch.long, device=self.device), real_rows=len(batch),
+                        max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+                        top_p=params.top_p, eos_ids=eos_ids, pad_id=pad_id, logprobs=params.logprobs,
+                        stop_check=stop_check, listener=listener, seconds_left=params.seconds_left)
+                except Exception as exc:  # noqa: BLE001 - only a first step-decoded call falls back
+                    if self._step_proven or isinstance(exc, torch.cuda.OutOfMemoryError):
+                        raise
+                    first = (str(exc).strip().splitlines() or [""])[0][:200]
+                    self._give_up_step(f"its first call failed: {type(exc).__name__}: {first}")
+                    return self.generate(prompts, n, params)
+            self._step_proven = True
+            if fresh:
+                self._report_cache(rows, length)
+            self.decode_steps += decoded.steps
+            for row, (prompt_index, _) in enumerate(batch):
+                results[prompt_index].append(self._sample(decoded.ids[row], decoded.logprobs[row] if decoded.logprobs
+                                                          is not None else None, prefixes[prompt_index],
+                                                          params, eos_ids))
         return results
 
     def _autocast(self):

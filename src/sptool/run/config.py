@@ -61,6 +61,10 @@ class ModelConfig:
     compile_generation: bool = setting(True, "hf backend on CUDA: decode through a static KV cache with "
                                        "a compiled step (CUDA graphs), batch shapes bucketed; ignored "
                                        "on CPU (eager decoding)")
+    decoder: str = setting("generate", "hf backend: generate (transformers' generate) or step (sptool's "
+                           "step decoder: one prefill per distinct prompt, a sampling step without host "
+                           "syncs, compiled whole on CUDA with compile_generation; falls back to "
+                           "generate for a model it can't run)", choices=("generate", "step"))
     base_url: str = setting("", "openai backend: server URL(s), comma-separated (--base-url; `sptool "
                             "serve` starts one); empty: $SPTOOL_BASE_URL or http://127.0.0.1:8000/v1")
 

@@ -75,7 +75,8 @@ class Policy:
                 self._backend = HFBackend.from_model(
                     trainer.accelerator.unwrap_model(trainer.model), trainer.tokenizer,
                     model_id=str(trainer.config.model), batch_size=c.gen_batch_size,
-                    chat_template=c.chat_template, compile=c.compile_generation, log=self.session.say,
+                    chat_template=c.chat_template, compile=c.compile_generation, decoder=c.decoder,
+                    log=self.session.say,
                     autocast=shared_sampler_autocast(c.dtype or None, str(trainer.device)))
                 dist = self.session.dist
                 if dist is not None and dist.is_main and dist.world > 1:
@@ -254,6 +255,7 @@ class Session(Training):
             options["base_url"] = c.base_url or None
         if c.backend == "hf":
             options["compile"] = c.compile_generation  # honoured on CUDA only
+            options["decoder"] = c.decoder
         lora_r = self.settings.train.lora_r
         if c.backend == "vllm" and lora_r:  # adapters swapped into the running engine
             options.update(enable_lora=True, max_lora_rank=next(r for r in (8, 16, 32, 64, 128, 256, 512)

@@ -1,0 +1,230 @@
+"""The hf backend's step decoder (issue 33, ``model.decoder = "step"``): greedy tokens equal to
+eager ``generate``'s, sampling log-probabilities equal to a forward pass's, the finish reasons,
+update visibility, and the shared-prompt prefill. CPU, float32, the real tiny model (one loaded
+model shared by the module)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import assert_same_greedy
+
+# prompts of different lengths: a left-padded batch
+PROMPTS = ["What is 2 + 3?", [{"role": "user", "content": "Name a colour, any colour you like, and say why."}],
+           "Hi"]
+TIE = 1e-4  # float32 on both paths: only a genuine tie may be ordered differently
+
+
+# -- fast checks (no model) ------------------------------------------------------------------
+
+def test_decoder_is_a_typed_model_setting_off_by_default():
+    from sptool.run.config import ModelConfig
+
+    assert ModelConfig().decoder == "generate"
+
+
+def test_rows_share_their_prompt_and_padding_rows_repeat_the_last():
+    from sptool.models.step_decoder import row_map_of
+
+    assert row_map_of(["a", "a", "b", "b", "c"], 8) == (["a", "b", "c"], [0, 0, 1, 1, 2, 2, 2, 2])
+    assert row_map_of(["a", "a", "b"], 3, share=False) == (["a", "a", "b"], [0, 1, 2])
+
+
+def test_choose_samples_without_a_sync_and_records_raw_logprobs():
+    """The sampling step: greedy is the argmax; the log-probability is under the raw logits
+    (temperature and top-p only change the choice); finished rows emit pad and stop growing;
+    EOS finishes a row; top-p never picks outside the nucleus."""
+    import torch
+
+    from sptool.models.step_decoder import choose
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 10)
+    logits[:, 9] = torch.tensor([-9.0, 9.0, -9.0, -9.0])  # EOS (9): row 1's greedy token only
+    finished = torch.tensor([False, False, False, True])
+    lengths = torch.tensor([3, 3, 3, 2])
+    eos = torch.tensor([9])
+    one = torch.tensor(1.0)
+    token, chosen, done, grown = choose(logits, finished, lengths, one, one, eos, 7, sample=False, nucleus=False)
+    assert token[:3].tolist() == logits[:3].argmax(-1).tolist() and int(token[3]) == 7
+    assert torch.allclose(chosen, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1), atol=1e-6)
+    assert done.tolist() == [False, True, False, True] and grown.tolist() == [4, 4, 4, 2]
+    top = torch.tensor(0.3)
+    for _ in range(20):
+        token, chosen, _, _ = choose(logits, finished, lengths, torch.tensor(0.7), top, eos, 7, sample=True,
+                                     nucleus=True)
+        probs = torch.softmax(logits / 0.7, -1)
+        for row in range(3):
+            above = probs[row] > probs[row, token[row]]
+            assert float(probs[row][above].sum()) < 0.3  # inside the nucleus
+        assert torch.allclose(chosen, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1), atol=1e-6)
+
+
+# -- the real tiny model ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def backends():
+    """The eager ``generate`` backend and a step-decoder backend over one float32 CPU model."""
+    from sptool.models.hf import HFBackend
+
+    eager = HFBackend("tiny", device="cpu", dtype="fp32", batch_size=8)
+    notes: list[str] = []
+    step = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, decoder="step",
+                                log=notes.append)
+    yield eager, step
+    eager.close()
+
+
+def tokens_of(results) -> list[list[list[int]]]:
+    return [[sample.token_ids for sample in row] for row in results]
+
+
+def check_same_greedy(eager, want, got) -> None:
+    for prompt, rows_want, rows_got in zip(PROMPTS, want, got):
+        for row_want, row_got in zip(rows_want, rows_got):
+            assert_same_greedy(eager, prompt, row_got, row_want, TIE)
+
+
+@pytest.mark.slow
+def test_step_decoder_greedy_equals_generate_and_shared_prefill_changes_nothing(backends):
+    """(a) a left-padded batch of prompts of different lengths, n = 3 (9 rows: a batch of 8, then
+    one of 1): the step decoder's greedy tokens, texts and finish reasons are eager generate's;
+    (e) prefilling every copy instead of each prompt once gives the same."""
+    from sptool.models.base import SamplingParams
+
+    eager, step = backends
+    params = SamplingParams(temperature=0, max_new_tokens=20)
+    want = eager.generate(PROMPTS, 3, params)  # 9 rows: two batches of up to 8
+    steps = step.decode_steps
+    got = step.generate(PROMPTS, 3, params)
+    check_same_greedy(eager, tokens_of(want), tokens_of(got))
+    assert [[(s.text, s.finish_reason, s.n_tokens) for s in row] for row in got] == \
+        [[(s.text, s.finish_reason, s.n_tokens) for s in row] for row in want]
+    assert step.decode_steps - steps == 40  # both batches ran all 20 columns (a row reached the limit)
+    assert {s.finish_reason for row in got for s in row} == {"stop", "length"}  # EOS and max_tokens
+    step.share_prefill = False
+    try:
+        unshared = step.generate(PROMPTS, 3, params)
+    finally:
+        step.share_prefill = True
+    check_same_greedy(eager, tokens_of(got), tokens_of(unshared))
+
+
+@pytest.mark.slow
+def test_step_decoder_sampling_logprobs_are_the_models_and_seeds_repeat(backends):
+    """(b) sampled rows (temperature and top-p): each recorded log-probability is the raw
+    logits' log-softmax at that token in a forward pass over prompt + completion; a seed
+    repeats its samples, another seed gives others; the progress listener hears every step."""
+    import torch
+
+    from sptool.models.base import SamplingParams, set_token_listener
+
+    eager, step = backends
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=20, seed=5, logprobs=True)
+    heard: list[int] = []
+    set_token_listener(heard.append)
+    try:
+        first = step.generate(PROMPTS[:2], 2, params)
+    finally:
+        set_token_listener(None)
+    assert sum(heard) > 0 and sum(heard) == 4 * 20  # 4 real rows x the columns decoded
+    assert tokens_of(step.generate(PROMPTS[:2], 2, params)) == tokens_of(first)
+    other = step.generate(PROMPTS[:2], 2, SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=20,
+                                                         seed=6, logprobs=True))
+    assert tokens_of(other) != tokens_of(first)
+    for prompt, row in zip(PROMPTS, first):
+        prompt_ids = eager.tokenizer(eager.render(prompt), add_special_tokens=False)["input_ids"]
+        for sample in row:
+            assert len(sample.logprobs) == sample.n_tokens == len(sample.token_ids) > 0
+            ids = torch.tensor([prompt_ids + sample.token_ids])
+            with torch.inference_mode():
+                logits = eager.model(ids).logits[0, len(prompt_ids) - 1:-1].float()
+            want = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt_ids):, None]).squeeze(-1)
+            assert torch.allclose(torch.tensor(sample.logprobs), want, atol=1e-4), (sample.logprobs, want)
+
+
+@pytest.mark.slow
+def test_step_decoder_stops_at_eos_max_tokens_and_stop_strings(backends):
+    """(c) EOS ends a row with "stop" (the EOS id its last token); max_tokens with "length";
+    stop strings cut text and ids exactly as the generate path does, and the every-N-steps
+    check ends the batch early once every row has stopped; a passed deadline decodes nothing."""
+    from sptool.models.base import SamplingParams
+
+    eager, step = backends
+    short = step.generate(PROMPTS, 1, SamplingParams(temperature=0, max_new_tokens=3))
+    eos = set(step._eos_ids())
+    for row in short:
+        sample = row[0]
+        assert sample.finish_reason == ("stop" if sample.token_ids[-1] in eos else "length")
+        assert sample.n_tokens == len(sample.token_ids) <= 3
+        assert sample.finish_reason == "stop" or sample.n_tokens == 3
+    stop = SamplingParams(temperature=0, max_new_tokens=48, stop=(" ", ".", "-"), logprobs=True)
+    want, steps = eager.generate(PROMPTS, 1, stop), step.decode_steps
+    got = step.generate(PROMPTS, 1, stop)
+    assert any(row[0].stop_string for row in want)
+    for row_want, row_got in zip(want, got):
+        a, b = row_want[0], row_got[0]
+        assert (b.text, b.token_ids, b.stop_string, b.finish_reason) == \
+            (a.text, a.token_ids, a.stop_string, a.finish_reason)
+        assert len(b.logprobs) == b.n_tokens
+    assert step.decode_steps - steps == 16  # every row had stopped by the first check
+    past = SamplingParams(temperature=0, max_new_tokens=8, deadline=0.0)
+    assert step.generate(PROMPTS, 1, past) == [[], [], []]
+
+
+@pytest.mark.slow
+def test_compiled_step_decoder_is_one_graph_and_sees_in_place_weight_changes(backends):
+    """(d) the step compiled through dynamo (``aot_eager`` on CPU: no CUDA graphs, no inductor
+    build) is one graph; scaling a layer's weights in place (as an optimizer step writes them)
+    changes its next greedy output to eager generate's on the new weights, without a new graph."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+    from sptool.models.step_decoder import StepDecoder
+
+    eager, _ = backends
+    fast = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, decoder="step")
+    fast._step_decoder = StepDecoder(eager.model, compile=True,
+                                     compile_options=dict(backend="aot_eager", dynamic=False))
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    graphs = counters["stats"]["unique_graphs"]
+    before = tokens_of(fast.generate(PROMPTS, 2, params))
+    check_same_greedy(eager, tokens_of(eager.generate(PROMPTS, 2, params)), before)
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # the whole step: one graph, no breaks
+    weight = eager.model.model.layers[2].mlp.down_proj.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.mul_(4.0)
+        want = tokens_of(eager.generate(PROMPTS, 2, params))
+        after = tokens_of(fast.generate(PROMPTS, 2, params))
+        assert after != before, "the change did not change the greedy output: the test proves nothing"
+        check_same_greedy(eager, want, after)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    assert counters["stats"]["unique_graphs"] - graphs == 1 and fast._step_proven and fast.decoder == "step"
+
+
+@pytest.mark.slow
+def test_a_model_the_step_decoder_cannot_run_falls_back_to_generate_with_one_line(backends, monkeypatch):
+    """A model the step decoder can't run: one logged line, then transformers' generate."""
+    from sptool.models import step_decoder
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+
+    eager, _ = backends
+    notes: list[str] = []
+    backend = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, decoder="step",
+                                   log=notes.append)
+    monkeypatch.setattr(step_decoder, "unsupported", lambda model, cache: "a test's refusal")
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    got = backend.generate(PROMPTS[:1], 1, params)
+    assert tokens_of(got) == tokens_of(eager.generate(PROMPTS[:1], 1, params))
+    assert backend.decoder == "generate" and backend.decoding == "eager"
+    backend.generate(PROMPTS[:1], 1, params)
+    assert [note for note in notes if "step decoder" in note] == \
+        ["note: the step decoder can't run this model (a test's refusal); decoding with transformers' "
+         "generate (model.decoder=generate)"]

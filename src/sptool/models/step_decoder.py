@@ -1,0 +1,257 @@
+"""The hf backend's step decoder (issue 33, ``model.decoder = "step"``): a gpt-fast-style token
+loop over a transformers causal LM, instead of transformers' ``generate``.
+
+Design. A batch is decoded in three parts:
+
+- **shared-prompt prefill**: each distinct prompt of the batch (left padded, position ids from
+  the attention mask as ``generate`` makes them) runs through the model once, into a dynamic
+  cache; its keys and values are then copied (``index_select`` on the rows) into the batch's
+  :class:`transformers.StaticCache`, one copy per sample row. ``n`` samples of a prompt cost one
+  prefill, not ``n``.
+- **the decoding step**: one function does the model's forward on the last tokens (the static
+  cache, a full-length attention mask with the prompt's padding masked), temperature and top-p
+  sampling without a host synchronisation (the argmax of ``probs / Exponential(1)`` noise: a
+  sample from ``probs`` with no ``torch.multinomial``), the chosen token's log-probability under
+  the raw logits (what :class:`sptool.models.hf_decoding.LogprobRecorder` records on the
+  ``generate`` path), and the finished-row bookkeeping (EOS ends a row; finished rows emit the
+  pad token; each row's length counts its tokens up to and including EOS). On CUDA with
+  ``compile`` the whole step goes through ``torch.compile(mode="reduce-overhead")``: one CUDA
+  graph replay per token. Elsewhere it runs eagerly.
+- **the loop**: nothing in it reads a device value back, so the host only queues work; every
+  :data:`CHECK_EVERY` steps one check synchronises: all real rows finished ends the batch early,
+  rows whose text so far holds a stop string are finished, the progress listener is told the
+  tokens generated since the last check, and the deadline (``params.seconds_left()``) is honoured.
+
+Stop strings are applied after decoding, as on the ``generate`` path (the backend cuts the text
+and ids with ``_cut_at_stop``); the checks only let a batch end early.
+
+Fallback. :func:`unsupported` names why a model can't be decoded this way (an encoder-decoder,
+a cache layer that is not a plain full-attention :class:`transformers.cache_utils.StaticLayer`,
+e.g. sliding-window or linear-attention layers), and the backend's first step-decoded call that
+raises falls back too: either way the backend logs one line and uses ``generate`` from then on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+CHECK_EVERY = 16        # decoding steps between the host's checks (finished rows, stops, deadline)
+
+
+def unsupported(model, cache) -> str | None:
+    """Why ``model`` (with ``cache``, a StaticCache built for it) can't be step-decoded; None: it can."""
+    from transformers.cache_utils import StaticLayer
+
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return "its static cache has no layers"
+    odd = sorted({type(layer).__name__ for layer in layers if type(layer) is not StaticLayer})
+    if odd:
+        return f"cache layers of type {', '.join(odd)} (only full attention is step-decoded)"
+    return None
+
+
+@dataclass
+class Decoded:
+    """One batch's result: per row (real rows only) the generated ids (through EOS), and their
+    log-probabilities when asked for; ``steps``: the generated columns (prefill's token included)."""
+
+    ids: list[list[int]]
+    logprobs: list[list[float]] | None
+    steps: int
+
+
+def choose(logits, finished, lengths, temperature, top_p, eos, pad: int, sample: bool, nucleus: bool):
+    """The next token of every row from its ``logits`` (rows x vocabulary), sync-free.
+
+    Returns ``(token, log-probability of token under the raw logits, finished, lengths)``:
+    finished rows get ``pad``; a row's length grows while it is unfinished; EOS finishes it."""
+    import torch
+
+    raw = logits.float()
+    if sample:
+        scaled = raw / temperature
+        if nucleus:  # transformers' TopPLogitsWarper: drop the low tail whose mass is <= 1 - top_p
+            ordered, order = scaled.sort(dim=-1, descending=False)
+            cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+            remove = cumulative <= 1 - top_p
+            remove[..., -1:] = False
+            scaled = scaled.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(1)
+        token = (probs / noise).argmax(dim=-1)
+    else:
+        token = raw.argmax(dim=-1)
+    token = torch.where(finished, torch.full_like(token, pad), token)
+    chosen = raw.gather(-1, token.unsqueeze(-1)).squeeze(-1) - raw.logsumexp(dim=-1)
+    lengths = lengths + (~finished).long()
+    finished = finished | (token.unsqueeze(-1) == eos.unsqueeze(0)).any(dim=-1)
+    return token, chosen, finished, lengths
+
+
+class StepDecoder:
+    """Decodes batches of a causal LM step by step over a kept :class:`transformers.StaticCache`.
+
+    ``compile``: the decoding step through ``torch.compile(mode="reduce-overhead")`` (CUDA graphs;
+    use on CUDA); ``compile_options`` overrides ``torch.compile``'s arguments (tests: ``aot_eager``).
+    The model's parameters are read in place: an optimizer step on them shows in the next call."""
+
+    def __init__(self, model, *, compile: bool = False, compile_options: dict | None = None,
+                 check_every: int = CHECK_EVERY, share_prefill: bool = True):
+        self.model = model
+        self.check_every = max(1, int(check_every))
+        self.share_prefill = share_prefill
+        self.compile = compile
+        self._step = self._forward_and_choose
+        if compile:
+            import torch
+
+            options = compile_options or dict(mode="reduce-overhead", fullgraph=False, dynamic=False)
+            self._step = torch.compile(self._forward_and_choose, **options)
+
+    def _forward_and_choose(self, cache, tokens, positions, mask, finished, lengths, temperature, top_p, eos,
+                            pad: int, sample: bool, nucleus: bool):
+        logits = self.model(input_ids=tokens.unsqueeze(-1), position_ids=positions.unsqueeze(-1),
+                            attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
+        return choose(logits, finished, lengths, temperature, top_p, eos, pad, sample, nucleus)
+
+    def prefill(self, cache, input_ids, attention_mask, row_map):
+        """The distinct prompts (``input_ids``/``attention_mask``: prompts x length, left padded)
+        through the model once; their keys and values copied into ``cache``'s rows as ``row_map``
+        (sample row -> prompt row) says. Returns the last position's logits per sample row."""
+        from transformers import DynamicCache
+
+        positions = attention_mask.long().cumsum(-1) - 1
+        positions.masked_fill_(attention_mask == 0, 1)
+        prompt_cache = DynamicCache(config=self.model.config)
+        output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                            past_key_values=prompt_cache, use_cache=True, logits_to_keep=1)
+        length = input_ids.shape[1]
+        rows = row_map.shape[0]
+        for layer, source in zip(cache.layers, prompt_cache.layers):
+            keys, values = source.keys, source.values
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys.new_empty((rows, *keys.shape[1:])),
+                                          values.new_empty((rows, *values.shape[1:])))
+            if layer.keys.shape[0] != rows or layer.max_cache_len < length:
+                raise ValueError(f"static cache of {layer.keys.shape[0]} rows x {layer.max_cache_len} "
+                                 f"positions for {rows} rows x {length}")
+            layer.keys[:, :, :length].copy_(keys.index_select(0, row_map))
+            layer.values[:, :, :length].copy_(values.index_select(0, row_map))
+            layer.cumulative_length.fill_(length)
+        del prompt_cache
+        return output.logits[:, -1].index_select(0, row_map), positions[:, -1].index_select(0, row_map)
+
+    def decode(self, cache, input_ids, attention_mask, row_map, *, real_rows: int, max_new_tokens: int,
+               temperature: float, top_p: float, eos_ids: list[int], pad_id: int, logprobs: bool,
+               stop_check: Callable[[int, list[list[int]]], list[int]] | None = None,
+               listener: Callable[[int], None] | None = None,
+               seconds_left: Callable[[], float | None] | None = None) -> Decoded:
+        """One batch: ``row_map`` (sample rows, padding rows included) picks each row's prompt;
+        rows from ``real_rows`` on are padding, finished from the start. ``stop_check(columns,
+        ids)`` gets the unfinished real rows' ids so far (at each check) and returns the indices
+        (into that list) of the rows a stop string has ended."""
+        import torch
+
+        device = input_ids.device
+        rows = row_map.shape[0]
+        prompt_length = input_ids.shape[1]
+        sample = temperature > 0
+        nucleus = sample and top_p < 1.0
+        temperature_t = torch.tensor(float(temperature) if sample else 1.0, device=device)
+        top_p_t = torch.tensor(float(top_p), device=device)
+        eos = torch.tensor(eos_ids or [pad_id], dtype=torch.long, device=device)
+        tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        chosen_logprobs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device) if logprobs else None
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        finished[real_rows:] = True
+        lengths = torch.zeros(rows, dtype=torch.long, device=device)
+
+        logits, last_positions = self.prefill(cache, input_ids, attention_mask, row_map)
+        token, chosen, finished, lengths = choose(logits, finished, lengths, temperature_t, top_p_t, eos, pad_id,
+                                                  sample, nucleus)
+        del logits
+        tokens[:, 0] = token
+        if chosen_logprobs is not None:
+            chosen_logprobs[:, 0] = chosen
+        # the step's inputs: our own buffers, updated in place (a CUDA graph's outputs are overwritten
+        # by its next replay, so they are copied out at once)
+        current = token.clone()
+        positions = last_positions + 1
+        mask = torch.ones((rows, cache.layers[0].max_cache_len), dtype=attention_mask.dtype, device=device)
+        mask[:, :prompt_length] = attention_mask.index_select(0, row_map)
+        cuda = device.type == "cuda"
+        columns, reported = 1, 0
+        stopped: set[int] = set()
+        while columns < max_new_tokens:
+            if columns % self.check_every == 0:
+                if listener is not None:
+                    listener(real_rows * (columns - reported))
+                    reported = columns
+                if self._check(tokens, finished, lengths, real_rows, columns, stop_check, stopped):
+                    break
+                left = seconds_left() if seconds_left is not None else None
+                if left is not None and left <= 0:
+                    break
+            if cuda and self.compile:
+                torch.compiler.cudagraph_mark_step_begin()
+            out = self._step(cache, current, positions, mask, finished, lengths, temperature_t, top_p_t, eos,
+                             pad_id, sample, nucleus)
+            current.copy_(out[0])
+            tokens[:, columns].copy_(out[0])
+            if chosen_logprobs is not None:
+                chosen_logprobs[:, columns].copy_(out[1])
+            finished = finished.copy_(out[2])
+            lengths = lengths.copy_(out[3])
+            del out
+            positions.add_(1)
+            columns += 1
+        if listener is not None and columns > reported:
+            listener(real_rows * (columns - reported))
+        lengths_host = lengths[:real_rows].tolist()
+        ids = tokens[:real_rows, :columns].tolist()
+        ids = [row[:length] for row, length in zip(ids, lengths_host)]
+        values = None
+        if chosen_logprobs is not None:
+            values = chosen_logprobs[:real_rows, :columns].tolist()
+            values = [row[:length] for row, length in zip(values, lengths_host)]
+        return Decoded(ids=ids, logprobs=values, steps=columns)
+
+    @staticmethod
+    def _check(tokens, finished, lengths, real_rows: int, columns: int, stop_check, stopped: set[int]) -> bool:
+        """The every-N-steps check (one host synchronisation): rows a stop string has ended are
+        finished; True when every real row is finished."""
+        done = finished[:real_rows].tolist()
+        if stop_check is not None:
+            open_rows = [row for row in range(real_rows) if not done[row] and row not in stopped]
+            if open_rows:
+                lengths_host = lengths.tolist()
+                history = tokens[:real_rows, :columns].tolist()
+                ended = stop_check(columns, [history[row][:lengths_host[row]] for row in open_rows])
+                for index in ended:
+                    row = open_rows[index]
+                    stopped.add(row)
+                    done[row] = True
+                    finished[row] = True
+        return all(done)
+
+
+def row_map_of(batch_prompts: list[Any], rows: int, share: bool = True) -> tuple[list[Any], list[int]]:
+    """The distinct prompts of a batch (first-seen order) and each row's index into them; rows
+    beyond the batch (padding) repeat the last one. ``share`` False: every row its own prompt."""
+    distinct: list[Any] = []
+    where: dict[Any, int] = {}
+    row_map = []
+    for prompt in batch_prompts:
+        if share and prompt in where:
+            row_map.append(where[prompt])
+            continue
+        where.setdefault(prompt, len(distinct))
+        row_map.append(len(distinct))
+        distinct.append(prompt)
+    row_map += row_map[-1:] * (rows - len(row_map))
+    return distinct, row_map
