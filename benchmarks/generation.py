@@ -32,6 +32,13 @@ step). Then a loop step's peak GPU memory: one solve batch with log-probs, then 
 update on it (generation and training share the GPU; the static caches stay allocated).
 
     python benchmarks/generation.py --stages --device cuda --shape tiny --batch 512 --max-tokens 64
+
+``--decoder step`` (issue 33): the sptool arm decodes with the step decoder
+(:mod:`sptool.models.step_decoder`: shared-prompt prefill, one compiled step per token, no host
+sync between checks) instead of transformers' ``generate``; ``--decoder generate,step`` measures
+both arms, one row each per stage, against the same bare ``generate``.
+
+    python benchmarks/generation.py --stages --device cuda --decoder generate,step
 """
 
 from __future__ import annotations
@@ -295,17 +302,28 @@ def stage_workloads(batch: int, max_tokens: int):
 
 
 def measure_stages(model: str, args) -> list[dict]:
-    """One trainer (as ``sptool run`` loads it), one backend over its live model, every stage."""
+    """One trainer (as ``sptool run`` loads it); per ``--decoder``, one backend over its live
+    model, every stage."""
     import torch
 
-    from sptool.models.hf import HFBackend
     from sptool.train.step import PolicyTrainer, TrainConfig
 
     cuda = str(args.device or "").startswith("cuda") or (args.device is None and torch.cuda.is_available())
     trainer = PolicyTrainer(TrainConfig(model=model, device=args.device, max_completion_tokens=args.max_tokens))
+    rows = []
+    for decoder in args.decoder:
+        rows += measure_decoder(trainer, model, decoder, args, cuda)
+    return rows
+
+
+def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool) -> list[dict]:
+    """Every stage through one backend (``decoder``: generate or step) over the trainer's live model."""
+    from sptool.models.hf import HFBackend
+
     live = trainer.accelerator.unwrap_model(trainer.model)
     backend = HFBackend.from_model(live, trainer.tokenizer, model_id=model, batch_size=args.batch[0],
-                                   compile=not args.no_compile, log=lambda m: print("#", m, file=sys.stderr))
+                                   compile=not args.no_compile, decoder=decoder,
+                                   log=lambda m: print("#", m, file=sys.stderr))
     weight_bytes = sum(p.numel() * p.element_size() for p in live.parameters())
     rows = []
     only = {name.strip() for name in (args.only or "").split(",") if name.strip()}
@@ -329,7 +347,7 @@ def measure_stages(model: str, args) -> list[dict]:
         bare_replay(backend, calls[:1])  # warm-up of the bare arm (allocator, kernels)
         bare_s, bare_steps, bare_tokens = bare_replay(backend, calls)
         kv = backend.cache_bytes() / max(1, len(backend._caches)) if backend._caches else 0
-        row = dict(stage=stage_name, recipe=recipe, shape=args.shape, decoding=backend.decoding,
+        row = dict(stage=stage_name, recipe=recipe, shape=args.shape, decoder=decoder, decoding=backend.decoding,
                    calls=len(calls), rows=max(len(c["prompts"]) * c["n"] for c in calls),
                    max_tokens=max(c["params"].max_new_tokens for c in calls), warmup_s=round(warm_s, 1),
                    steps_s=round(steps / seconds, 1), tok_s=round(tokens / seconds, 1),
@@ -337,10 +355,14 @@ def measure_stages(model: str, args) -> list[dict]:
                    x_bare=round((steps / seconds) / (bare_steps / bare_s), 2),
                    floor_steps_s=round(args.hbm / weight_bytes), kv_floor_steps_s=round(args.hbm / (weight_bytes + kv)))
         rows.append(row)
-        print(f"# {stage_name}: {row['steps_s']} steps/s ({row['tok_s']} tok/s) vs bare {row['bare_steps_s']} "
+        print(f"# {stage_name} ({decoder}): {row['steps_s']} steps/s ({row['tok_s']} tok/s) vs bare {row['bare_steps_s']} "
               f"steps/s: x{row['x_bare']}", file=sys.stderr, flush=True)
-    rows.append(loop_step_memory(trainer, backend, args, cuda))
+    rows.append(dict(loop_step_memory(trainer, backend, args, cuda), decoder=decoder))
     backend.close()
+    if cuda:
+        import torch
+
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -380,7 +402,7 @@ def loop_step_memory(trainer, backend, args, cuda: bool) -> dict:
     return row
 
 
-STAGE_HEADER = ["stage", "recipe", "shape", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",
+STAGE_HEADER = ["stage", "recipe", "shape", "decoder", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",
                 "tok_s", "bare_steps_s", "bare_tok_s", "x_bare", "floor_steps_s", "kv_floor_steps_s"]
 
 
@@ -394,6 +416,8 @@ def measure(name: str, model: str, batch: int, args) -> dict:
         options["static_cache"] = True
     if args.compile:
         options["compile"] = True
+    if name == "hf":
+        options["decoder"] = args.decoder[0]
     load_start = time.perf_counter()
     backend = load_backend(name, model, **options)
     load_s = time.perf_counter() - load_start
@@ -423,7 +447,7 @@ def measure(name: str, model: str, batch: int, args) -> dict:
     if default_runs:
         extra = dict(default_bare_tok_s=round(rate(default_runs), 1),
                      speedup_vs_default_bare=round(sptool_rate / rate(default_runs), 2))
-    return dict(**extra,backend=name, shape=args.shape, batch=batch, max_tokens=args.max_tokens,
+    return dict(**extra, backend=name, decoder=options.get("decoder", ""), shape=args.shape, batch=batch, max_tokens=args.max_tokens,
                 tokens=sptool_runs[-1][1], bare_tokens=bare_runs[-1][1], load_s=round(load_s, 1),
                 sptool_tok_s=round(sptool_rate, 1), bare_tok_s=round(bare_rate, 1),
                 ratio=round(sptool_rate / bare_rate, 3))
@@ -449,8 +473,14 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="--stages: eager decoding (the off switch)")
     parser.add_argument("--only", default="", help="--stages: these stages only (solve,validity,questioner,"
                         "challenger,synthesis,novelty,eval)")
+    parser.add_argument("--decoder", default="generate",
+                        help="hf: the sptool arm's decoder, comma-separated: generate (transformers' generate), "
+                        "step (sptool's step decoder, issue 33); --stages measures each, other runs the first")
     parser.add_argument("--hbm", type=float, default=4.3e12, help="--stages: HBM bytes/s of the floor")
     args = parser.parse_args()
+    args.decoder = [item.strip() for item in args.decoder.split(",") if item.strip()] or ["generate"]
+    if not set(args.decoder) <= {"generate", "step"}:
+        parser.error(f"--decoder: generate or step, not {args.decoder}")
     if args.stages:
         args.batch = [int(item) for item in args.batch.split(",")]
         with tempfile.TemporaryDirectory(prefix="sptool-bench-") as workdir:

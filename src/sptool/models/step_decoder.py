@@ -111,6 +111,9 @@ class StepDecoder:
             import torch
 
             options = compile_options or dict(mode="reduce-overhead", fullgraph=False, dynamic=False)
+            # one graph per (rows, cache length) bucket and sampling variant (greedy, sampled, top-p):
+            # more than dynamo's default 8 in a run with several stages
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self._step = torch.compile(self._forward_and_choose, **options)
 
     def _forward_and_choose(self, cache, tokens, positions, mask, finished, lengths, temperature, top_p, eos,
