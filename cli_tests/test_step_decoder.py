@@ -228,3 +228,41 @@ def test_a_model_the_step_decoder_cannot_run_falls_back_to_generate_with_one_lin
     assert [note for note in notes if "step decoder" in note] == \
         ["note: the step decoder can't run this model (a test's refusal); decoding with transformers' "
          "generate (model.decoder=generate)"]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_compiled_step_decoder_on_gpu_follows_generate_and_weight_changes():
+    """CUDA: the step compiled with CUDA graphs (reduce-overhead) writes eager generate's greedy
+    tokens (bf16: a near-tie may be ordered differently), before and after an in-place change of
+    a layer's weights, without falling back to generate."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+
+    eager = HFBackend("tiny", device="cuda", batch_size=8)
+    notes: list[str] = []
+    fast = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, compile=True,
+                                decoder="step", log=notes.append)
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+
+    def same(want, got):
+        for prompt, rows_want, rows_got in zip(PROMPTS, want, got):
+            for row_want, row_got in zip(rows_want, rows_got):
+                assert_same_greedy(eager, prompt, row_got, row_want, 0.25)
+
+    before = tokens_of(fast.generate(PROMPTS, 3, params))
+    same(tokens_of(eager.generate(PROMPTS, 3, params)), before)
+    assert fast.decoding == "step-compiled", notes
+    with torch.no_grad():
+        eager.model.model.layers[2].mlp.down_proj.weight.mul_(4.0)
+    after = tokens_of(fast.generate(PROMPTS, 3, params))
+    assert after != before
+    same(tokens_of(eager.generate(PROMPTS, 3, params)), after)
+    sampled = fast.generate(PROMPTS, 3, SamplingParams(temperature=1.0, max_new_tokens=24, seed=3, logprobs=True))
+    assert all(len(s.logprobs) == s.n_tokens for row in sampled for s in row)
+    assert fast.decoding == "step-compiled" and not [note for note in notes if "step decoder" in note]
+    eager.close()

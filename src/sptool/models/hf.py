@@ -16,6 +16,11 @@ Two decoding paths, both transformers' own ``generate``:
   (reset, not reallocated: CUDA graphs read fixed addresses); the model's parameters are read
   in place, so the compiled step sees every optimizer update of a shared trainer's weights.
 
+With ``decoder="step"`` (``model.decoder``; issue 33) a batch goes through
+:mod:`sptool.models.step_decoder` instead: one prefill per distinct prompt, then a sampling step
+with no host synchronisation (compiled whole with ``compile``); a model it can't run falls back
+to ``generate`` with one logged line.
+
 Sampling log-probabilities are gathered step by step (one step's logits held at a time, not
 ``output_logits``' batch x steps x vocabulary).
 """
