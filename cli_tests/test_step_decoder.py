@@ -60,6 +60,30 @@ def test_choose_samples_without_a_sync_and_records_raw_logprobs():
         assert torch.allclose(chosen, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1), atol=1e-6)
 
 
+def test_models_the_step_decoder_cannot_run_are_named():
+    """A generation_config that changes the logits beyond temperature and top-p (a repetition
+    penalty), a sliding-window cache layer, an encoder-decoder: each named, so the backend falls
+    back to generate; a plain decoder-only model with full attention passes."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    from sptool.models.step_decoder import unsupported
+
+    def model(**generation):
+        return SimpleNamespace(config=SimpleNamespace(is_encoder_decoder=False),
+                               generation_config=GenerationConfig(**generation))
+
+    full = SimpleNamespace(layers=[StaticLayer(64), StaticLayer(64)])
+    assert unsupported(model(eos_token_id=2, pad_token_id=2, top_k=20, temperature=0.7), full) is None
+    assert "repetition_penalty=1.05" in unsupported(model(repetition_penalty=1.05), full)
+    sliding = SimpleNamespace(layers=[StaticLayer(64), StaticSlidingWindowLayer(64, 16)])
+    assert "StaticSlidingWindowLayer" in unsupported(model(), sliding)
+    encoder_decoder = SimpleNamespace(config=SimpleNamespace(is_encoder_decoder=True), generation_config=None)
+    assert unsupported(encoder_decoder, full) == "an encoder-decoder model"
+
+
 # -- the real tiny model ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

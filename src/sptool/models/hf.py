@@ -404,7 +404,8 @@ class HFBackend:
             with torch.inference_mode():
                 cache, fresh = self._static_cache(rows, length)
             if self._step_decoder is None:
-                why = unsupported(self.model, cache)
+                why = unsupported(self.model, cache) or (f"generate_options {sorted(self.generate_options)}"
+                                                         if self.generate_options else None)
                 if why is not None:
                     self._give_up_step(why)
                     return self.generate(prompts, n, params)

@@ -39,6 +39,17 @@ from typing import Any, Callable
 CHECK_EVERY = 16        # decoding steps between the host's checks (finished rows, stops, deadline)
 
 
+# generation_config settings that make ``generate`` change the logits or the stopping beyond what
+# the step decoder does (temperature, top-p, EOS), with their neutral values: a model whose
+# generation_config sets one (e.g. a repetition penalty) is decoded by ``generate``
+GENERATE_ONLY = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "min_length": 0,
+                 "min_new_tokens": 0, "suppress_tokens": None, "begin_suppress_tokens": None,
+                 "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
+                 "exponential_decay_length_penalty": None, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+                 "typical_p": 1.0, "min_p": None, "encoder_repetition_penalty": 1.0, "guidance_scale": None,
+                 "watermarking_config": None, "renormalize_logits": False}
+
+
 def unsupported(model, cache) -> str | None:
     """Why ``model`` (with ``cache``, a StaticCache built for it) can't be step-decoded; None: it can."""
     from transformers.cache_utils import StaticLayer
@@ -46,6 +57,11 @@ def unsupported(model, cache) -> str | None:
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder model"
+    generation = getattr(model, "generation_config", None)
+    for name, neutral in GENERATE_ONLY.items():
+        value = getattr(generation, name, None)
+        if value not in (None, neutral, [], {}):
+            return f"its generation_config sets {name}={value!r}, which only generate applies"
     layers = getattr(cache, "layers", None)
     if not layers:
         return "its static cache has no layers"
