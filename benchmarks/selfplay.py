@@ -93,6 +93,7 @@ class Settings:
     heldout_limit: int
     pass_k: int            # sampled solutions per held-out problem for pass@k (rlvr, svs); 0: off
     gen_batch: int = 1024  # sequences per generate call (the compiled decoder's caches grow with it)
+    band: list | None = None  # the solver pool's p̂ band of the label-free arms (None: R-Quest's 0.3-0.8 on cuda)
     model: str = "tiny"
     train: str = str(ROOT / "fixtures/addition_train.jsonl")
     heldout: str = str(ROOT / "fixtures/bench/addition_heldout_300.jsonl")
@@ -132,7 +133,7 @@ def round_sets(s: Settings, section: str) -> dict:
     return {f"{section}.{key}": value for key, value in {
         "questions": s.questions, "questioner_group": 4, "samples": s.samples, "questioner_steps": 1,
         "solver_steps": s.solver_steps, "solver_questions": s.pool, "solver_batch": s.problems,
-        "solver_rollouts": s.samples, "solver_band": [0.3, 0.8] if s.cuda else [0.0, 1.0],
+        "solver_rollouts": s.samples, "solver_band": s.band or ([0.3, 0.8] if s.cuda else [0.0, 1.0]),
         "format_weight": 0.1}.items()} | {"prompts.questioner": "sums"}
 
 
@@ -491,7 +492,8 @@ def report(out: Path) -> str:
              f"Start: rlvr for {s['start_steps']} steps from {s['model']}; held-out greedy {fmt(start_acc)} "
              f"on {n} problems (s.e. {fmt(standard_error(start_acc or 0, n))}). Each arm: {s['rounds']} rounds "
              f"of {s['solver_steps']} solver updates of {s['problems']} questions x {s['samples']} rollouts, "
-             f"{s['max_tokens']} new tokens, lr {s['lr']}.", "",
+             f"{s['max_tokens']} new tokens, lr {s['lr']}; the label-free arms' solver band "
+             f"{s.get('band') or ([0.3, 0.8] if s['device'].startswith('cuda') else [0.0, 1.0])}.", "",
              "## Held-out greedy accuracy by solver updates", "",
              "| arm | seed | " + " | ".join(str(k) for k in steps) + " | final − start (s.e.) | harness |",
              "|---|---|" + "---|" * len(steps) + "---|---|"]
@@ -599,6 +601,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--gen-batch", type=int, default=1024, help="sequences per generate call on cuda (lower it "
                         "when many arms share one GPU: each R-Zero arm holds two models and their caches)")
+    parser.add_argument("--band", default=None, metavar="LOW,HIGH",
+                        help="the p̂ band of the label-free arms' solver pool (default 0.3,0.8, R-Quest §2.1). A higher "
+                        "band keeps the questions the vote is surer of: its majority labels are right more often")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--start", default=None, help="a start checkpoint (skips making one)")
     parser.add_argument("--parallel", type=int, default=None, help="arms at once (default: 4 on cuda, 1 on cpu; "
@@ -620,7 +625,16 @@ def main(argv=None) -> int:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     given = {k: getattr(args, k) for k in defaults(device) if getattr(args, k) is not None}
-    s = Settings(device=device, lr=args.lr, model=args.model, gen_batch=args.gen_batch, **{**defaults(device), **given})
+    band = None
+    if args.band:
+        try:
+            band = [float(x) for x in args.band.split(",")]
+        except ValueError:
+            band = []
+        if len(band) != 2 or not 0 <= band[0] <= band[1] <= 1:
+            raise SystemExit(f"--band: expected LOW,HIGH with 0 <= LOW <= HIGH <= 1, got {args.band!r}")
+    s = Settings(device=device, lr=args.lr, model=args.model, gen_batch=args.gen_batch, band=band,
+                 **{**defaults(device), **given})
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"selfplay-{device.split(':')[0]}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     s.heldout = heldout_subset(s, out)
