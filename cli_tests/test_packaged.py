@@ -59,7 +59,7 @@ def test_package_names_resolve_outside_the_checkout(tmp_path, monkeypatch):
     assert source_sha256("package:nothing.jsonl") is None
     assert load_tree("package:tree.json")["nodes"]
     assert "Group theory" in load_titles("package:titles.txt")
-    assert len(LocalSearch("package:web").entries) == 8
+    assert len(LocalSearch("package:web").entries) == 11
 
 
 def test_an_unknown_package_name_is_one_line_listing_the_shipped_ones(cli, tmp_path, monkeypatch):
