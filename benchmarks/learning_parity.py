@@ -24,7 +24,8 @@ runs (sums of 2..19, sptool's few-shot ``direct`` prompt, prefix ``\\boxed{``, s
   trainer: **sptool-selfold** (float32, log π_old from the trainer's own forward: the control),
   **sptool-bf16-trainer-selfold**, **sptool-bf16-tis** (also TIS, cap 2),
   **sptool-bf16-fp32head**, **sptool-bf16-selfold-fp32head**, **sptool-fp16-trainer-selfold** and
-  **sptool-bf16-selfold** (bf16 sampler too). Each sptool arm's steps carry its updates' ratio
+  **sptool-bf16-selfold** (bf16 sampler too), **sptool-fp16** and **sptool-fp16-selfold** (fp16
+  trainer and sampler: a finer rounding step than bf16's, so small updates show). Each sptool arm's steps carry its updates' ratio
   (mean, spread, max, min), clip share, sampler–trainer log-prob gap and TIS weight, from the run's
   ``metrics.jsonl``; the report prints their means per arm.
 
@@ -88,6 +89,11 @@ SPTOOL_ARMS = {
     "sptool-fp16-trainer-selfold": {"train.mixed_precision": "fp16", "model.dtype": "fp32",
                                     "train.old_logprobs": "trainer"},
     "sptool-bf16-selfold": {"train.mixed_precision": "bf16", "model.dtype": "bf16", "train.old_logprobs": "trainer"},
+    # fp16 in both trainer and sampler: 3 more mantissa bits than bf16, so an update at lr 1e-5 on
+    # |w| ~ 0.1 is no longer below half a rounding step of the forward (precision-h200/probe.json:
+    # cosine 0.955 against float32's log-prob change after one update, bf16 0.098)
+    "sptool-fp16": {"train.mixed_precision": "fp16", "model.dtype": "fp16"},
+    "sptool-fp16-selfold": {"train.mixed_precision": "fp16", "model.dtype": "fp16", "train.old_logprobs": "trainer"},
 }
 #: the per-update numbers of the sptool arms (their run's metrics.jsonl), per step and in the report
 UPDATE_METRICS = ("ratio_mean", "ratio_std", "ratio_max", "ratio_min", "clip_fraction", "logprob_gap",
