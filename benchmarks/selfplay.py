@@ -93,6 +93,7 @@ class Settings:
     heldout_limit: int
     pass_k: int            # sampled solutions per held-out problem for pass@k (rlvr, svs); 0: off
     gen_batch: int = 1024  # sequences per generate call (the compiled decoder's caches grow with it)
+    decoder: str = "generate"  # model.decoder of every arm (step: the step decoder, issue 33)
     band: list | None = None  # the solver pool's p̂ band of the label-free arms (None: R-Quest's 0.3-0.8 on cuda)
     model: str = "tiny"
     train: str = str(ROOT / "fixtures/addition_train.jsonl")
@@ -120,7 +121,7 @@ def common_sets(s: Settings) -> dict:
         "generation.max_tokens": s.max_tokens, "generation.temperature": 1.0, "generation.top_p": 1.0,
         "train.loss": "dr_grpo", "train.beta": 0.0, "train.learning_rate": s.lr, "train.max_grad_norm": 1.0,
         "train.max_tokens_per_micro_batch": 128 * (s.max_tokens + 64) if s.cuda else 4096,
-        "model.device": s.device, "model.gen_batch_size": s.gen_batch if s.cuda else 16,
+        "model.device": s.device, "model.gen_batch_size": s.gen_batch if s.cuda else 16, "model.decoder": s.decoder,
         "verify.workers": 2 if s.cuda else 1, "verify.require_boxed": True,
         "prompts.solve": s.prompt, "prompts.solve_prefix": "", "prompts.solve_stop": [],
         "eval.benchmarks": s.heldout, "eval.every": 1, "eval.samples": 0,
@@ -604,6 +605,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--band", default=None, metavar="LOW,HIGH",
                         help="the p̂ band of the label-free arms' solver pool (default 0.3,0.8, R-Quest §2.1). A higher "
                         "band keeps the questions the vote is surer of: its majority labels are right more often")
+    parser.add_argument("--decoder", default="generate", choices=("generate", "step"),
+                        help="model.decoder of every arm (step: shared-prompt prefill, a sync-free step)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--start", default=None, help="a start checkpoint (skips making one)")
     parser.add_argument("--parallel", type=int, default=None, help="arms at once (default: 4 on cuda, 1 on cpu; "
@@ -633,7 +636,7 @@ def main(argv=None) -> int:
             band = []
         if len(band) != 2 or not 0 <= band[0] <= band[1] <= 1:
             raise SystemExit(f"--band: expected LOW,HIGH with 0 <= LOW <= HIGH <= 1, got {args.band!r}")
-    s = Settings(device=device, lr=args.lr, model=args.model, gen_batch=args.gen_batch, band=band,
+    s = Settings(device=device, lr=args.lr, model=args.model, gen_batch=args.gen_batch, band=band, decoder=args.decoder,
                  **{**defaults(device), **given})
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"selfplay-{device.split(':')[0]}").resolve()
     out.mkdir(parents=True, exist_ok=True)
