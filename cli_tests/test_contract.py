@@ -86,7 +86,7 @@ STAGES = [
         passes_through=False),
     Row("posterior update", ["posterior", "update", "--tree", "{tmp}/tree.json"],
         {"id": "v1", "path_id": "not-in-this-tree", "var": 0.25, "valid": True}),
-    Row("corpus fetch", ["corpus", "fetch", "--search", f"local:{FIXTURES / 'web'}", "--encoder", "none",
+    Row("corpus fetch", ["corpus", "fetch", "--search", "local:package:web", "--encoder", "none",
                          "--min-chars", "1"], {"leaf": "Prime numbers"}, passes_through=False),
     Row("eval", ["eval", "--backend", "scripted", "-k", "1", "--pass-at", "1", "--no-greedy", "--workers", "0",
                  "--json"], {"question": "What is 1+1?", "answer": "2"},

@@ -1,4 +1,4 @@
-"""``sptool corpus fetch`` against a real HTTP server on 127.0.0.1 serving fixtures/web.
+"""``sptool corpus fetch`` against a real HTTP server on 127.0.0.1 serving the sample pages shipped with sptool (``package:web``).
 
 The server (a ThreadingHTTPServer in a thread, started here) serves the fixture pages, a few
 dynamic ones (huge, binary, slow, redirects to private addresses) and fake SearXNG, MediaWiki
@@ -20,14 +20,16 @@ import pytest
 
 from conftest import FIXTURES, read_jsonl, write_jsonl
 
-WEB = FIXTURES / "web"
+from sptool.core.packaged import packaged_path
+
+WEB = packaged_path("web")
 LEAF = "Pythagorean theorem"
 
 WIKI_TEXT = (WEB / "pythagorean-theorem.html").read_text()
 
 
 class FixtureSite:
-    """A real HTTP server on ``host`` serving fixtures/web plus dynamic and JSON endpoints."""
+    """A real HTTP server on ``host`` serving the shipped sample pages plus dynamic and JSON endpoints."""
 
     def __init__(self, host: str = "127.0.0.1", slow_s: float = 3.0):
         self.requests: list[str] = []
@@ -342,9 +344,9 @@ def test_pool_is_reused_and_refreshed(cli, site, tmp_path):
 
 @pytest.mark.slow
 def test_local_backend_offline_pipeline(sptool):
-    """`cat paths | sptool corpus fetch --search local:fixtures/web` with the bundled encoder."""
+    """`cat paths | sptool corpus fetch --search local:package:web` with the bundled encoder."""
     paths_text = (FIXTURES / "paths.jsonl").read_text()
-    result = sptool("corpus", "fetch", "--search", "local:fixtures/web", "-", input=paths_text,
+    result = sptool("corpus", "fetch", "--search", "local:package:web", "-", input=paths_text,
                     env={"HF_HUB_OFFLINE": "1", "no_proxy": "", "http_proxy": "http://0.0.0.0:9",
                          "https_proxy": "http://0.0.0.0:9"})
     assert result.returncode == 0, result.stderr
@@ -421,7 +423,7 @@ def test_bad_policy_file_and_unknown_backend(sptool, tmp_path):
 
 def test_record_without_leaf_is_bad_input(sptool, tmp_path):
     paths = write_jsonl(tmp_path / "paths.jsonl", [{"leaf": LEAF}, {"labels": ["x"]}])
-    result = sptool("corpus", "fetch", str(paths), "--search", "local:fixtures/web", "--encoder", "none")
+    result = sptool("corpus", "fetch", str(paths), "--search", "local:package:web", "--encoder", "none")
     assert result.returncode == 2
     assert f"{paths}:2: field 'leaf'" in result.stderr and "Traceback" not in result.stderr
 
@@ -473,7 +475,7 @@ def test_the_same_page_extracts_every_time_in_one_process():
     the third extraction of a page on; a pool refresh or a later iteration lost its pages."""
     from sptool.stages.corpus.clean import extract_text
 
-    html = (FIXTURES / "web" / "prime-numbers.html").read_text()
+    html = (WEB / "prime-numbers.html").read_text()
     texts = [extract_text(html, url="http://127.0.0.1/prime-numbers.html") for _ in range(5)]
     assert all(t is not None and len(t.text) > 200 for t in texts)
     assert len({t.text for t in texts}) == 1

@@ -90,7 +90,7 @@ def test_challenge_and_corpus_fetch_refuse_their_input_as_output(tmp_path):
     assert "same file as the input" in one_error_line(result)
     paths = tmp_path / "paths.jsonl"
     shutil.copy(FIXTURES / "paths.jsonl", paths)
-    result = run_sptool("corpus", "fetch", str(paths), "--search", f"local:{FIXTURES / 'web'}",
+    result = run_sptool("corpus", "fetch", str(paths), "--search", "local:package:web",
                         "--encoder", "none", "-o", str(paths))
     assert "same file as the input" in one_error_line(result)
     assert documents.read_bytes() == before and paths.read_bytes() == (FIXTURES / "paths.jsonl").read_bytes()
@@ -766,7 +766,7 @@ def test_a_corrupt_pool_file_is_one_line(tmp_path):
     LeafPool(pool).path_for("Pythagorean theorem").write_text('{"url": "http://a", "text": "ok"}\n{"url": \n')
     paths = tmp_path / "paths.jsonl"
     shutil.copy(FIXTURES / "paths.jsonl", paths)
-    result = run_sptool("corpus", "fetch", str(paths), "--search", f"local:{FIXTURES / 'web'}", "--encoder", "none",
+    result = run_sptool("corpus", "fetch", str(paths), "--search", "local:package:web", "--encoder", "none",
                         "--pool", str(pool))
     line = one_error_line(result)
     assert ".jsonl:2: not valid JSON" in line and str(pool) in line

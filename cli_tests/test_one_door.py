@@ -95,7 +95,7 @@ def test_policy_file_not_utf8_is_one_line(cli, tmp_path):
     policy = tmp_path / "policy.txt"
     policy.write_bytes(b"deny example.com\n\xff\xfe\n")
     paths = write_jsonl(tmp_path / "paths.jsonl", [{"path_id": "p", "path": ["mathematics", "primes"]}])
-    error = one_line(cli(["corpus", "fetch", paths, "--search", "local:fixtures/web", "--encoder", "none",
+    error = one_line(cli(["corpus", "fetch", paths, "--search", "local:package:web", "--encoder", "none",
                           "--policy", policy]))
     assert f"{policy}:2: not valid UTF-8" in error, error
 
