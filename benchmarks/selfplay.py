@@ -542,7 +542,8 @@ def report(out: Path) -> str:
         for r in wist_rows:
             totals = leaf_totals(r)
             everything = sum(t["questions"] for t in totals.values()) or 1
-            last_posterior = r.get("posterior", {}).get(max(r.get("posterior") or {"0": 0}, key=int), {})
+            posterior = r.get("posterior") or {}
+            last_posterior = posterior[max(posterior, key=int)] if posterior else {}
             for leaf, t in sorted(totals.items(), key=lambda kv: -kv[1]["questions"]):
                 lines.append(f"| {r['arm']} | {r['seed']} | {leaf} | {t['questions']} ({t['questions'] / everything:.2f}) | "
                              f"{fmt(t['first'])} → {fmt(t['last'])} | {fmt(last_posterior.get(leaf))} |")
