@@ -55,6 +55,7 @@ def test_evaluate_benchmark_with_scripted_answers():
     assert result.pass_at[1] == pytest.approx(0.25)
     assert result.pass_at[2] == pytest.approx((pass_at_k(4, 2, 2) + 0.0) / 2)
     assert result.greedy_accuracy == pytest.approx(0.5)  # greedy sample 0 of problem 1 is right
+    assert result.greedy_answered == 1.0  # both greedy answers are readable; one is wrong
 
 
 def test_evaluate_grades_unboxed_answers_unless_require_boxed():
@@ -65,6 +66,8 @@ def test_evaluate_grades_unboxed_answers_unless_require_boxed():
     assert graded[0]["samples"][0]["boxed"] is False
     strict, _ = evaluate_benchmark("t", records, backend, samples=2, ks=(1,), workers=0, require_boxed=True)
     assert strict.mean_at_k == 0.0 and strict.greedy_accuracy == 0.0
+    # the strict grader reads no answer: the miss is format, which greedy_answered tells apart
+    assert lenient.greedy_answered == 1.0 and strict.greedy_answered == 0.0
 
 
 def test_eval_cli_requires_k_not_above_samples(tmp_path):

@@ -461,7 +461,7 @@ def test_held_out_eval_before_during_and_after_the_run(tmp_path, random_policy):
     # h1 2/4 right, h2 1/4; mean@4 = pass@1 = (1/2 + 1/4)/2; pass@4 = 1; greedy 1 of 2
     for line in evals:
         assert line["benchmarks"]["held_out"] == pytest.approx(
-            {"greedy": 0.5, "mean@k": 0.375, "pass@1": 0.375, "pass@4": 1.0})
+            {"greedy": 0.5, "answered": 1.0, "mean@k": 0.375, "pass@1": 0.375, "pass@4": 1.0})
     result = run_sptool("report", str(run_dir))
     assert result.returncode == 0, result.stderr
     assert (run_dir / "report" / "heldout.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -76,6 +76,35 @@ def test_the_report_reads_a_cut_short_arm_from_its_run_directory(tmp_path):
     assert round_1["proposals"] == 4 and round_1["well_formed_rate"] == 0.5 and round_1["valid_rate"] == 0.25
 
 
+def test_a_label_free_gain_that_the_random_label_control_also_shows_is_not_met(tmp_path):
+    """The issue's bar is a gain the shuffled control lacks; the readable-answer share shows a
+    format gain for what it is."""
+    settings = selfplay.Settings(device="cuda", lr=1e-5, **selfplay.defaults("cuda"))
+    settings.heldout, settings.heldout_limit = str(tmp_path / "heldout.jsonl"), 0
+    write_jsonl(tmp_path / "heldout.jsonl", [{"question": "What is 1 + 1?", "answer": "2"}] * 300)
+    (tmp_path / "settings.json").write_text(json.dumps(selfplay.asdict(settings)))
+
+    def arm(label: str, final: float, control_final: float | None = None) -> None:
+        run = tmp_path / "runs" / label
+        run.mkdir(parents=True)
+        (tmp_path / "runs" / f"{label}.command.txt").write_text("python -m sptool.cli.main run\n")
+        (run / "config.toml").write_text('recipe = "rzero"\n')
+        write_jsonl(run / "metrics.jsonl", [
+            {"iteration": 1, "stage": "eval-before", "kind": "eval", "after_iteration": 0,
+             "benchmarks": {"heldout": {"greedy": 0.25, "answered": 0.5}}},
+            {"iteration": 1, "stage": "eval", "kind": "eval", "after_iteration": 1,
+             "benchmarks": {"heldout": {"greedy": final, "answered": 1.0}}}])
+
+    for seed in (1, 2):
+        arm(f"rzero-s{seed}", 0.5)
+        arm(f"shuffled-s{seed}", 0.5 if seed == 1 else 0.3)
+    text = selfplay.report(tmp_path)
+    assert "rzero: final − start +0.250" in text and ": met (+0.10 beyond 3 s.e. in 2 seeds)" in text
+    assert "- rzero against the random-label control: not met" in text and "also does in 1 of 2 seeds" in text
+    assert "| rzero | 1 | 0.500 (0.500) | 1.000 (0.500) |" in text  # readable share (accuracy among readable)
+    assert json.loads((tmp_path / "selfplay.json").read_text())["targets"]["rzero"]["beyond_control"] is False
+
+
 def test_the_wist_arms_report_where_the_paths_go_against_the_uniform_control(tmp_path):
     """WIST and its uniform-path control, read from their run directories: per leaf, the graded
     questions, the solver's p̂ first → last and the posterior mean; the target compares, in the later

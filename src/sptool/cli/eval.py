@@ -83,11 +83,12 @@ def evaluate(
                                "benchmarks": [r.as_dict() for r in results]}))
         return
     table = Table(title=f"sptool eval — model {model}, {samples} samples/problem")
-    for column in ("benchmark", "problems", "preset", "greedy acc", f"mean@{samples}", *[f"pass@{k}" for k in ks]):
+    for column in ("benchmark", "problems", "preset", "greedy acc", "answered", f"mean@{samples}", *[f"pass@{k}" for k in ks]):
         table.add_column(column, justify="right" if column != "benchmark" else "left")
     for r in results:
         greedy = "-" if r.greedy_accuracy is None else f"{r.greedy_accuracy:.3f}"
-        table.add_row(r.name, str(r.problems), mapping.describe(), greedy, f"{r.mean_at_k:.3f}",
+        answered = "-" if r.greedy_answered is None else f"{r.greedy_answered:.3f}"
+        table.add_row(r.name, str(r.problems), mapping.describe(), greedy, answered, f"{r.mean_at_k:.3f}",
                       *[f"{r.pass_at[k]:.3f}" if k in r.pass_at else "-" for k in ks])
     from rich.console import Console
 

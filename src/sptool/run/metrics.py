@@ -89,7 +89,8 @@ def train_metrics(records: list[dict]) -> dict:
 
 def eval_metrics(records: list[dict]) -> dict:
     return {"after_iteration": records[0]["after_iteration"] if records else None,
-            "benchmarks": {r["benchmark"]: {"greedy": r.get("greedy_accuracy"), "mean@k": r.get("mean_at_k"),
+            "benchmarks": {r["benchmark"]: {"greedy": r.get("greedy_accuracy"),
+                                            "answered": r.get("greedy_answered"), "mean@k": r.get("mean_at_k"),
                                             **(r.get("pass_at") or {})} for r in records}}
 
 

@@ -49,6 +49,9 @@ class BenchmarkResult:
     problems: int = 0
     samples_per_problem: int = 0
     greedy_accuracy: float | None = None
+    # the share of greedy completions with a final answer the grader could read (a \boxed{} one
+    # under require_boxed): a rise in greedy accuracy that this explains is format, not skill
+    greedy_answered: float | None = None
     mean_at_k: float | None = 0.0
     pass_at: dict[int, float] = field(default_factory=dict)
     verify_errors: int = 0
@@ -105,6 +108,8 @@ def evaluate_benchmark(name: str, records: Iterable[dict], backend: Backend, *, 
                                             batch_size=greedy_batch_size or batch_size).run(iter(fresh)))
             greedy_graded = list(verifier.run(iter(greedy_solved)))
             result.greedy_accuracy = sum(bool(r["samples"][0].get("correct")) for r in greedy_graded) / len(problems)
+            result.greedy_answered = sum(r["samples"][0].get("answer") is not None
+                                         for r in greedy_graded) / len(problems)
             for record, greedy_record in zip(graded, greedy_graded):
                 record["greedy"] = greedy_record["samples"][0]
     finally:
