@@ -35,7 +35,7 @@ for step in "$@"; do
     eval-after) ck=$(ls -d /tmp/svs-gpu/ckpt/*/step-* | sort -V | tail -1); echo "checkpoint $ck"; timeout 200 python3 -m sptool.cli.main eval -m "$ck" -k 4 --pass-at 1,4 --max-tokens 192 --device cuda --workers 8 fixtures/bench/addition_heldout.jsonl ;;
     parity-bare|parity-trl|parity-sptool) mkdir -p /tmp/parity $OUT/parity; PYTHONUNBUFFERED=1 timeout ${RUN_TIMEOUT:-540} python3 benchmarks/learning_parity.py --device cuda --steps ${PARITY_STEPS:-30} --arms ${step#parity-} --out /tmp/parity; cp /tmp/parity/*.json /tmp/parity/*.txt $OUT/parity/ 2>/dev/null ;;
     parity-precision) mkdir -p /tmp/parity $OUT/parity; PYTHONUNBUFFERED=1 timeout ${RUN_TIMEOUT:-560} python3 benchmarks/learning_parity.py --device cuda --steps ${PARITY_STEPS:-30} --micro-batch 64 --parallel ${PARITY_PARALLEL:-4} --arms ${PARITY_ARMS:-sptool,sptool-fp16,sptool-fp16-selfold,sptool-fp16-trainer-selfold} --out /tmp/parity; cp /tmp/parity/*.json /tmp/parity/*.txt $OUT/parity/ 2>/dev/null ;;
-    train-precision) timeout ${RUN_TIMEOUT:-560} python3 benchmarks/train_step.py --device cuda --shape 0.5b --paths bare,new,new-fp32,new-bf16,new-bf16-selfold,new-bf16-selfold-fp32head,new-bf16-tis,new-fp16-selfold ;;
+    train-precision) timeout ${RUN_TIMEOUT:-560} python3 benchmarks/train_step.py --device cuda --shape 0.5b --paths bare,new,new-fp32,new-bf16,new-bf16-selfold,new-bf16-selfold-fp32head,new-bf16-tis,new-fp16-selfold,new-fp16-selfold-fp32head ;;
     parity-report) python3 benchmarks/learning_parity.py --report /tmp/parity; cp /tmp/parity/parity.* $OUT/ 2>/dev/null ;;
     gpu-tests) timeout 300 python3 -m pytest -q -m gpu cli_tests -p no:cacheprovider ;;
     *) bash -c "$step" ;;

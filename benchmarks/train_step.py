@@ -134,6 +134,8 @@ PATHS = {
                      dict(mixed_precision="bf16", old_logprobs="trainer", tis_cap=2.0)),
     "new-fp16-selfold": ("sptool, fp16 + scaler, old_logprobs=trainer",
                          dict(mixed_precision="fp16", old_logprobs="trainer")),
+    "new-fp16-selfold-fp32head": ("sptool, fp16 + scaler, old_logprobs=trainer, fp32_head",
+                                  dict(mixed_precision="fp16", old_logprobs="trainer", fp32_head=True)),
 }
 
 
