@@ -93,6 +93,8 @@ SPTOOL_ARMS = {
     # |w| ~ 0.1 is no longer below half a rounding step of the forward (precision-h200/probe.json:
     # cosine 0.955 against float32's log-prob change after one update, bf16 0.098)
     "sptool-fp16": {"train.mixed_precision": "fp16", "model.dtype": "fp16"},
+    # float32 trainer and sampler with TF32 tensor-core matmuls (float32 storage and accumulation)
+    "sptool-tf32": {"train.mixed_precision": "no", "model.dtype": "fp32", "train.tf32": True},
     "sptool-fp16-selfold": {"train.mixed_precision": "fp16", "model.dtype": "fp16", "train.old_logprobs": "trainer"},
 }
 #: the per-update numbers of the sptool arms (their run's metrics.jsonl), per step and in the report

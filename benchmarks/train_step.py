@@ -126,6 +126,7 @@ PATHS = {
     "new": ("sptool, new default (+ compiled decoder layers)", dict()),
     "new-noent": ("sptool, new default, --no-entropy", dict(entropy=False)),
     "new-fp32": ("sptool, float32 (mixed_precision=no)", dict(mixed_precision="no")),
+    "new-tf32": ("sptool, float32 with TF32 matmuls (tf32)", dict(mixed_precision="no", tf32=True)),
     "new-bf16": ("sptool, bf16 autocast, log π_old from the sampler", dict(mixed_precision="bf16")),
     "new-bf16-selfold": ("sptool, bf16, old_logprobs=trainer", dict(mixed_precision="bf16", old_logprobs="trainer")),
     "new-bf16-selfold-fp32head": ("sptool, bf16, old_logprobs=trainer, fp32_head",

@@ -341,6 +341,28 @@ def test_trainer_old_logprobs_keep_the_sampler_for_the_gap_and_tis(random_policy
         TrainConfig(model=random_policy, old_logprobs="both")
 
 
+@pytest.mark.gpu
+def test_tf32_turns_on_tensor_core_float32_matmuls_on_cuda_only(random_policy):
+    """``tf32``: on CUDA the process's float32 matmuls go to TF32 (an fp32 GEMM's result moves off
+    the float64 one by TF32's rounding, about 1e-3 relative); a trainer without it leaves them alone."""
+    import torch
+
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    PolicyTrainer(TrainConfig(model=random_policy, device="cuda"))
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+    a, b = torch.randn(512, 512, device="cuda"), torch.randn(512, 512, device="cuda")
+    exact = (a.double() @ b.double()).float()
+    full = (a @ b - exact).abs().max().item()
+    PolicyTrainer(TrainConfig(model=random_policy, device="cuda", tf32=True))
+    assert torch.backends.cuda.matmul.allow_tf32 is True
+    assert (a @ b - exact).abs().max().item() > 10 * full
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def test_report_shows_the_ratio_and_a_drifting_gap(tmp_path):
     """``sptool report``: the train steps' ratio, clip share and sampler–trainer gap per iteration
     (``precision.png`` and the text summary, with the gap's largest value)."""

@@ -88,6 +88,8 @@ def train_step(
                                   "--old-logprobs trainer."),
     fp32_head: bool = typer.Option(False, "--fp32-head", help="Under bf16 autocast, the LM head's matmul and "
                                    "log-softmax in float32 (the body stays bf16)."),
+    tf32: bool = typer.Option(False, "--tf32", help="On CUDA, float32 matmuls on TF32 tensor cores (float32 "
+                              "weights and accumulation; products with a 10-bit mantissa)."),
     full_logits: bool = typer.Option(False, "--full-logits", help="Compute [tokens × vocabulary] logits "
                                      "(the previous, slower and larger path) instead of log-probs in token chunks."),
     no_entropy: bool = typer.Option(False, "--no-entropy", help="Skip the entropy metric (one pass less over "
@@ -126,7 +128,7 @@ def train_step(
         lora_target_modules=_split_list(lora_target_modules) or ["all-linear"], ref_model=ref_model,
         chat_template=not no_chat_template, device=device, mixed_precision=mixed_precision, seed=seed,
         full_logits=full_logits, entropy=not no_entropy, compile=compile_model,
-        old_logprobs=old_logprobs, tis_cap=tis_cap, fp32_head=fp32_head,
+        old_logprobs=old_logprobs, tis_cap=tis_cap, fp32_head=fp32_head, tf32=tf32,
         compile_kernels=compile_model)
     common.waiting_for_stdin_hint(input_path, quiet)
     started = time.monotonic()

@@ -102,6 +102,9 @@ class TrainSection:
                              "0: off; needs old_logprobs = \"trainer\"", minimum=0)
     fp32_head: bool = setting(train_default("fp32_head"), "under bf16 autocast, the LM head's matmul and "
                               "log-softmax in float32 (the body stays bf16)")
+    tf32: bool = setting(train_default("tf32"), "float32 matmuls on TF32 tensor cores (CUDA): float32 "
+                         "weights and accumulation, products with a 10-bit mantissa; the whole process, "
+                         "the sampler too")
     compile: bool = setting(True, "torch.compile the decoder layers and log-prob kernels on CUDA "
                             "(false: eager; never on CPU)")
     shared_policy: bool = setting(True, "one policy plays every role (WIST, SvS), else questioner and "

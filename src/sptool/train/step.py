@@ -146,6 +146,9 @@ class PolicyTrainer(PolicyModel):
         if (config.device or "").startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeFailure(f"--device {config.device} asked for, but torch sees no CUDA GPU")
         mixed = resolve_mixed_precision(config.mixed_precision, cuda=not cpu)
+        if config.tf32 and not cpu:
+            torch.backends.cuda.matmul.allow_tf32 = True  # process-wide: a float32 sampler here too
+            torch.backends.cudnn.allow_tf32 = True
         self.accelerator = Accelerator(cpu=cpu, mixed_precision=mixed)
         self.device = self.accelerator.device
         torch.manual_seed(config.seed)
