@@ -95,6 +95,7 @@ class Settings:
     gen_batch: int = 1024  # sequences per generate call (the compiled decoder's caches grow with it)
     decoder: str = "generate"  # model.decoder of every arm (step: the step decoder, issue 33)
     band: list | None = None  # the solver pool's p̂ band of the label-free arms (None: R-Quest's 0.3-0.8 on cuda)
+    format_weight: float = 0.1  # every arm's credit for a readable \boxed{} answer (the start keeps 0.1)
     model: str = "tiny"
     train: str = str(ROOT / "fixtures/addition_train.jsonl")
     heldout: str = str(ROOT / "fixtures/bench/addition_heldout_300.jsonl")
@@ -135,7 +136,7 @@ def round_sets(s: Settings, section: str) -> dict:
         "questions": s.questions, "questioner_group": 4, "samples": s.samples, "questioner_steps": 1,
         "solver_steps": s.solver_steps, "solver_questions": s.pool, "solver_batch": s.problems,
         "solver_rollouts": s.samples, "solver_band": s.band or ([0.3, 0.8] if s.cuda else [0.0, 1.0]),
-        "format_weight": 0.1}.items()} | {"prompts.questioner": "sums"}
+        "format_weight": s.format_weight}.items()} | {"prompts.questioner": "sums"}
 
 
 def arm_plan(arm: str, s: Settings, start: str) -> tuple[str, int, dict]:
@@ -144,12 +145,12 @@ def arm_plan(arm: str, s: Settings, start: str) -> tuple[str, int, dict]:
     if arm == "rlvr":
         return "rlvr", s.rounds * s.solver_steps, {
             **sets, "model.policy": start, "rlvr.data": s.train, "rlvr.problems": s.problems,
-            "rlvr.samples": s.samples, "rlvr.format_weight": 0.1, "rlvr.keep_equal_groups": True,
+            "rlvr.samples": s.samples, "rlvr.format_weight": s.format_weight, "rlvr.keep_equal_groups": True,
             "eval.every": s.solver_steps, "eval.samples": s.pass_k}
     if arm == "svs":
         return "svs", s.rounds * s.solver_steps, {
             **sets, "model.policy": start, "svs.data": s.train, "svs.problems": s.problems,
-            "svs.samples": s.samples, "svs.variants": 2, "svs.max_solutions": 1, "svs.format_weight": 0.1,
+            "svs.samples": s.samples, "svs.variants": 2, "svs.max_solutions": 1, "svs.format_weight": s.format_weight,
             "prompts.synthesis": "solutions-short", "eval.every": s.solver_steps, "eval.samples": s.pass_k}
     if arm in ("rzero", "shuffled"):
         extra = {"rzero.pool_labels": "shuffled"} if arm == "shuffled" else {}
@@ -494,7 +495,8 @@ def report(out: Path) -> str:
              f"on {n} problems (s.e. {fmt(standard_error(start_acc or 0, n))}). Each arm: {s['rounds']} rounds "
              f"of {s['solver_steps']} solver updates of {s['problems']} questions x {s['samples']} rollouts, "
              f"{s['max_tokens']} new tokens, lr {s['lr']}; the label-free arms' solver band "
-             f"{s.get('band') or ([0.3, 0.8] if s['device'].startswith('cuda') else [0.0, 1.0])}.", "",
+             f"{s.get('band') or ([0.3, 0.8] if s['device'].startswith('cuda') else [0.0, 1.0])}; "
+             f"format credit {s.get('format_weight', 0.1)} in every arm.", "",
              "## Held-out greedy accuracy by solver updates", "",
              "| arm | seed | " + " | ".join(str(k) for k in steps) + " | final − start (s.e.) | harness |",
              "|---|---|" + "---|" * len(steps) + "---|---|"]
@@ -631,6 +633,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--band", default=None, metavar="LOW,HIGH",
                         help="the p̂ band of the label-free arms' solver pool (default 0.3,0.8, R-Quest §2.1). A higher "
                         "band keeps the questions the vote is surer of: its majority labels are right more often")
+    parser.add_argument("--format-weight", type=float, default=0.1,
+                        help="every arm's reward for a readable \\boxed{} answer (default 0.1; the start keeps 0.1). "
+                        "0: the random-label control gets no reward from format, so a gain it shares is not format")
     parser.add_argument("--decoder", default="generate", choices=("generate", "step"),
                         help="model.decoder of every arm (step: shared-prompt prefill, a sync-free step)")
     parser.add_argument("--model", default="tiny")
@@ -662,7 +667,10 @@ def main(argv=None) -> int:
             band = []
         if len(band) != 2 or not 0 <= band[0] <= band[1] <= 1:
             raise SystemExit(f"--band: expected LOW,HIGH with 0 <= LOW <= HIGH <= 1, got {args.band!r}")
+    if not 0 <= args.format_weight <= 1:
+        raise SystemExit(f"--format-weight: expected a number in [0, 1], got {args.format_weight}")
     s = Settings(device=device, lr=args.lr, model=args.model, gen_batch=args.gen_batch, band=band, decoder=args.decoder,
+                 format_weight=args.format_weight,
                  **{**defaults(device), **given})
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"selfplay-{device.split(':')[0]}").resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,19 @@ def test_the_shuffled_control_permutes_the_pools_labels_with_its_seed():
     assert shuffled == shuffled_labels(pool, seed=7) and shuffled != shuffled_labels(pool, seed=8)
 
 
+def test_format_weight_reaches_every_arm_and_the_control_alike():
+    """``--format-weight 0``: no arm, the random-label control included, is paid for the box alone."""
+    settings = selfplay.Settings(device="cuda", lr=1e-5, format_weight=0.0, **selfplay.defaults("cuda"))
+    weights = {arm: {k: v for k, v in selfplay.arm_plan(arm, settings, "START")[2].items() if k.endswith("format_weight")}
+               for arm in ("rzero", "shuffled", "rquest", "rlvr", "svs")}
+    assert weights == {"rzero": {"rzero.format_weight": 0.0}, "shuffled": {"rzero.format_weight": 0.0},
+                       "rquest": {"rquest.format_weight": 0.0}, "rlvr": {"rlvr.format_weight": 0.0},
+                       "svs": {"svs.format_weight": 0.0}}
+    result = subprocess.run([sys.executable, str(selfplay.__file__), "--device", "cpu", "--format-weight", "2"],
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "--format-weight: expected a number in [0, 1], got 2.0" in result.stderr
+
+
 def write_jsonl(path, records):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
