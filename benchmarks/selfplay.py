@@ -97,6 +97,7 @@ class Settings:
     band: list | None = None  # the solver pool's p̂ band of the label-free arms (None: R-Quest's 0.3-0.8 on cuda)
     format_weight: float = 0.1  # every arm's credit for a readable \boxed{} answer (the start keeps 0.1)
     model: str = "tiny"
+    validity_init: str = ""  # R-Quest's validity-initialisation set (OUT/data/, see validity_init_set)
     train: str = str(ROOT / "fixtures/addition_train.jsonl")
     heldout: str = str(ROOT / "fixtures/bench/addition_heldout_300.jsonl")
     prompt: str = str(ROOT / "benchmarks/prompt_zero_shot.txt")
@@ -161,7 +162,8 @@ def arm_plan(arm: str, s: Settings, start: str) -> tuple[str, int, dict]:
         return "rquest", s.rounds, {
             **sets, **round_sets(s, "rquest"), "model.policy": start, "rquest.validity_samples": 3,
             "rquest.novelty_judge": "lexical", "rquest.novelty_k": 3, "rquest.init_steps": 3,
-            "rquest.init_batch": 12, "rquest.init_samples": s.samples, "prompts.validity": "direct"}
+            "rquest.init_batch": 16, "rquest.init_samples": s.samples, "prompts.validity": "direct",
+            **({"rquest.init_data": s.validity_init} if s.validity_init else {})}
     if arm in ("wist", "wist-uniform"):
         return "wist", s.rounds, {**sets, **wist_sets(s), "model.policy": start,
                                   "wist.path_rule": "uniform" if arm == "wist-uniform" else "thompson"}
@@ -358,6 +360,43 @@ def harness_accuracy(s: Settings, checkpoint: str) -> float:
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(s.device)
     template = Path(s.prompt).read_text(encoding="utf-8")
     return lp.greedy_accuracy(model, tokenizer, lp.read_jsonl(s.heldout, s.heldout_limit), template, settings)
+
+
+#: flawed forms of ``What is A + B?`` for R-Quest's validity initialisation: no single answer
+FLAWED_SUMS = ("What is {a} + ?", "What is x + {b}?", "What is {a} + the other number?", "What is {a} + {b} + ?")
+
+
+def validity_init_set(out: Path) -> str:
+    """R-Quest's validity-initialisation set at this scale, written once to ``OUT/data/``: 48 valid
+    one-digit sums and 16 flawed ones (answer INVALID).
+
+    The packaged set (12 word problems, half of them flawed) taught the 0.26 start to answer
+    INVALID to everything (H200 run 3). It could solve none of the word problems. Under R_init, a
+    right INVALID pays +1, rejecting a valid problem −0.5 and a wrong answer 0. So INVALID paid 0.25
+    a problem, and answering paid 0. After that, the start rejected 72–91% of the questioner's plain
+    sums. With sums it can solve and one flawed problem in four, always answering INVALID pays −0.125.
+    The sums have one digit so that no label of the held-out kind (two digits) reaches the arm: the
+    set is trained first and replayed in every solver update (``replay_share``)."""
+    target = out / "data" / "validity_init_sums.jsonl"
+    if target.is_file():
+        return str(target)
+    import random
+
+    pairs = random.Random(0).sample([(a, b) for a in range(1, 10) for b in range(1, 10)], 81)
+    valid = [{"id": f"vi-sum-{i}", "question": f"What is {a} + {b}?", "answer": str(a + b), "flaw": None}
+             for i, (a, b) in enumerate(pairs[:48])]
+    questions: list[str] = []
+    for a, b in pairs[48:]:
+        question = FLAWED_SUMS[len(questions) % len(FLAWED_SUMS)].format(a=a, b=b)
+        if question not in questions and len(questions) < 16:
+            questions.append(question)
+    flawed = [{"id": f"vi-flawed-{i}", "question": question, "answer": "INVALID",
+               "flaw": "an operand is missing or unknown"} for i, question in enumerate(questions)]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}")  # workers may write it at once
+    partial.write_text("".join(json.dumps(r) + "\n" for r in valid + flawed), encoding="utf-8")
+    partial.replace(target)
+    return str(target)
 
 
 def heldout_subset(s: Settings, out: Path) -> str:
@@ -675,6 +714,7 @@ def main(argv=None) -> int:
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"selfplay-{device.split(':')[0]}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     s.heldout = heldout_subset(s, out)
+    s.validity_init = validity_init_set(out)
     if not args.worker:
         (out / "settings.json").write_text(json.dumps(asdict(s), indent=1) + "\n", encoding="utf-8")
     cuda = s.cuda

@@ -53,6 +53,25 @@ def test_format_weight_reaches_every_arm_and_the_control_alike():
     assert result.returncode != 0 and "--format-weight: expected a number in [0, 1], got 2.0" in result.stderr
 
 
+def test_rquests_validity_initialisation_is_one_digit_sums_and_flawed_ones(tmp_path):
+    """Sums the start can solve (so that answering pays more than INVALID under R_init), one in
+    four flawed, and no label of the held-out kind (two-digit sums) in a label-free arm."""
+    import re
+
+    path = selfplay.validity_init_set(tmp_path)
+    records = [json.loads(line) for line in open(path)]
+    valid = [r for r in records if r["answer"] != "INVALID"]
+    assert len(valid) == 48 and len(records) == 64 and len({r["question"] for r in records}) == 64
+    for r in valid:
+        a, b = map(int, re.fullmatch(r"What is (\d) \+ (\d)\?", r["question"]).groups())
+        assert r["answer"] == str(a + b)
+    assert all(selfplay.sum_truth(r["question"]) is None for r in records if r["answer"] == "INVALID")
+    assert not any(re.search(r"\d\d", r["question"]) for r in records)
+    settings = selfplay.Settings(device="cuda", lr=1e-5, validity_init=path, **selfplay.defaults("cuda"))
+    assert selfplay.arm_plan("rquest", settings, "START")[2]["rquest.init_data"] == path
+    assert selfplay.validity_init_set(tmp_path) == path and [json.loads(line) for line in open(path)] == records
+
+
 def write_jsonl(path, records):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
