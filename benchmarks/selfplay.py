@@ -122,7 +122,11 @@ def common_sets(s: Settings) -> dict:
     return {
         "generation.max_tokens": s.max_tokens, "generation.temperature": 1.0, "generation.top_p": 1.0,
         "train.loss": "dr_grpo", "train.beta": 0.0, "train.learning_rate": s.lr, "train.max_grad_norm": 1.0,
-        "train.max_tokens_per_micro_batch": 128 * (s.max_tokens + 64) if s.cuda else 4096,
+        # 4096 tokens a micro-batch (gradient accumulation: the same update). At 16,384 (the first
+        # runs) an R-Zero process held about 30 GB and R-Quest ran out of memory beside 4 of them;
+        # the float32 activations kept for backward are most of it by estimate (30 layers x ~20
+        # saved tensors x 16,384 tokens x 576 x 4 bytes, about 22 GB)
+        "train.max_tokens_per_micro_batch": 4096,
         "model.device": s.device, "model.gen_batch_size": s.gen_batch if s.cuda else 16, "model.decoder": s.decoder,
         "verify.workers": 2 if s.cuda else 1, "verify.require_boxed": True,
         "prompts.solve": s.prompt, "prompts.solve_prefix": "", "prompts.solve_stop": [],
