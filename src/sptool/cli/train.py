@@ -86,8 +86,8 @@ def train_step(
     tis_cap: float = typer.Option(0.0, "--tis-cap", help="Truncated importance sampling: each token's policy-"
                                   "gradient term times min(exp(log π_trainer − log π_sampler), CAP); 0: off; needs "
                                   "--old-logprobs trainer."),
-    fp32_head: bool = typer.Option(False, "--fp32-head", help="Under bf16 autocast, the LM head's matmul and "
-                                   "log-softmax in float32 (the body stays bf16)."),
+    fp32_head: bool = typer.Option(False, "--fp32-head", help="Under bf16 or fp16 autocast, the LM head's matmul and "
+                                   "log-softmax in float32 (the body stays in the autocast precision)."),
     tf32: bool = typer.Option(False, "--tf32", help="On CUDA, float32 matmuls on TF32 tensor cores (float32 "
                               "weights and accumulation; products with a 10-bit mantissa)."),
     full_logits: bool = typer.Option(False, "--full-logits", help="Compute [tokens × vocabulary] logits "

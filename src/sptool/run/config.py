@@ -100,8 +100,8 @@ class TrainSection:
     tis_cap: float = setting(train_default("tis_cap"), "truncated importance sampling: each token's "
                              "policy-gradient term times min(exp(log π_trainer − log π_sampler), tis_cap); "
                              "0: off; needs old_logprobs = \"trainer\"", minimum=0)
-    fp32_head: bool = setting(train_default("fp32_head"), "under bf16 autocast, the LM head's matmul and "
-                              "log-softmax in float32 (the body stays bf16)")
+    fp32_head: bool = setting(train_default("fp32_head"), "under bf16 or fp16 autocast, the LM head's matmul and "
+                              "log-softmax in float32 (the body stays in the autocast precision)")
     tf32: bool = setting(train_default("tf32"), "float32 matmuls on TF32 tensor cores (CUDA): float32 "
                          "weights and accumulation, products with a 10-bit mantissa; the whole process, "
                          "the sampler too")

@@ -59,7 +59,7 @@ class TrainConfig:
     # Truncated importance sampling (TIS): each token's policy-gradient term is multiplied by
     # min(exp(log π_old,trainer − log π_sampler), tis_cap); 0: off. Needs old_logprobs="trainer".
     tis_cap: float = 0.0
-    fp32_head: bool = False             # LM head matmul and log-softmax in float32 on a bf16 autocast body
+    fp32_head: bool = False             # LM head matmul and log-softmax in float32 on a bf16/fp16 autocast body
     # float32 matmuls on TF32 tensor cores (CUDA; torch's float32_matmul_precision "high"): float32
     # weights, activations and accumulation, products rounded to a 10-bit mantissa. Process-wide, so
     # a float32 sampler in the same process uses them too.

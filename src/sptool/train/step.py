@@ -189,9 +189,9 @@ class PolicyTrainer(PolicyModel):
         self.ref_head = self._bypassable_head(self.ref_model) if self.head is not None and self.ref_model is not None \
             else None
         # the head's matmuls in the autocast precision (bf16 or fp16), as autocast would run a plain
-        # linear head; float32 (the weights' dtype) without autocast or with fp32_head. A float32 head
-        # under fp16 made the 0.5B-shape step 0.61x the bare bf16 step against bf16's 1.51x (H200):
-        # its 151,936-row matmuls ran without tensor cores
+        # linear head; float32 (the weights' dtype) without autocast or with fp32_head. With a float32
+        # head under fp16, the 0.5B-shape step ran at 0.61x the bare bf16 step, against bf16's 1.51x
+        # (H200): the 151,936-row head's matmuls without tensor cores are the likely reason
         self.compute_dtype = None if config.fp32_head else \
             {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision)
         if config.fp32_head and self.output_layer is None:
