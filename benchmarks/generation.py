@@ -47,10 +47,12 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -357,6 +359,8 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool) -> list
         rows.append(row)
         print(f"# {stage_name} ({decoder}): {row['steps_s']} steps/s ({row['tok_s']} tok/s) vs bare {row['bare_steps_s']} "
               f"steps/s: x{row['x_bare']}", file=sys.stderr, flush=True)
+        if args.profile:
+            row.update(profile_stage(build, backend, stage_name, decoder, Path(args.profile), cuda))
     rows.append(dict(loop_step_memory(trainer, backend, args, cuda), decoder=decoder))
     backend.close()
     if cuda:
@@ -364,6 +368,41 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool) -> list
 
         torch.cuda.empty_cache()
     return rows
+
+
+def profile_stage(build, backend, stage_name: str, decoder: str, out_dir: Path, cuda: bool) -> dict:
+    """The stage once more (warm) under ``torch.profiler``: where a decoding step's time goes.
+    Writes ``OUT_DIR/<stage>-<decoder>.txt`` (the ops by self device time on CUDA, by self CPU time
+    otherwise) and returns the step's wall time and the device's busy time per step: a step much
+    longer than its device time is bound by the host (Python, launches, synchronisations)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    recorder = Recorder(backend)
+    stage, records = build(recorder)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        list(stage.run(json.loads(json.dumps(records))))
+        sync(backend)
+    wall = time.perf_counter() - started
+    steps = max(1, sum(c["steps"] for c in recorder.calls))
+    events = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) if cuda else 0
+    figures = dict(profile_ms_per_step=round(1000 * wall / steps, 3),
+                   profile_device_ms_per_step=round(device_us / 1000 / steps, 3) if cuda else None)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = re.sub(r"[^a-z0-9]+", "-", f"{stage_name}-{decoder}".lower()).strip("-")
+    table = events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=40)
+    (out_dir / f"{name}.txt").write_text(
+        f"{stage_name} ({decoder}): {steps} decoding steps in {wall:.3f} s under the profiler: "
+        f"{figures['profile_ms_per_step']} ms a step"
+        + (f", the device busy {figures['profile_device_ms_per_step']} ms of it" if cuda else "") + "\n\n" + table + "\n",
+        encoding="utf-8")
+    print(f"# {stage_name} ({decoder}) profile: {figures['profile_ms_per_step']} ms/step"
+          + (f", device {figures['profile_device_ms_per_step']} ms/step" if cuda else "")
+          + f" -> {out_dir / (name + '.txt')}", file=sys.stderr, flush=True)
+    return figures
 
 
 def loop_step_memory(trainer, backend, args, cuda: bool) -> dict:
@@ -477,6 +516,8 @@ def main() -> None:
                         help="hf: the sptool arm's decoder, comma-separated: generate (transformers' generate), "
                         "step (sptool's step decoder, issue 33); --stages measures each, other runs the first")
     parser.add_argument("--hbm", type=float, default=4.3e12, help="--stages: HBM bytes/s of the floor")
+    parser.add_argument("--profile", default=None, metavar="DIR", help="--stages: each stage once more under "
+                        "torch.profiler; ms per decoding step (wall and device) and the top ops in DIR/STAGE-DECODER.txt")
     args = parser.parse_args()
     args.decoder = [item.strip() for item in args.decoder.split(",") if item.strip()] or ["generate"]
     if not set(args.decoder) <= {"generate", "step"}:
