@@ -375,7 +375,6 @@ def profile_stage(build, backend, stage_name: str, decoder: str, out_dir: Path, 
     Writes ``OUT_DIR/<stage>-<decoder>.txt`` (the ops by self device time on CUDA, by self CPU time
     otherwise) and returns the step's wall time and the device's busy time per step: a step much
     longer than its device time is bound by the host (Python, launches, synchronisations)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     recorder = Recorder(backend)

@@ -116,7 +116,7 @@ def test_a_label_free_gain_that_the_random_label_control_also_shows_is_not_met(t
     write_jsonl(tmp_path / "heldout.jsonl", [{"question": "What is 1 + 1?", "answer": "2"}] * 300)
     (tmp_path / "settings.json").write_text(json.dumps(selfplay.asdict(settings)))
 
-    def arm(label: str, final: float, control_final: float | None = None) -> None:
+    def arm(label: str, final: float) -> None:
         run = tmp_path / "runs" / label
         run.mkdir(parents=True)
         (tmp_path / "runs" / f"{label}.command.txt").write_text("python -m sptool.cli.main run\n")
