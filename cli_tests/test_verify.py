@@ -7,7 +7,8 @@ import time
 import pytest
 
 from conftest import read_jsonl, run_sptool, write_jsonl
-from sptool.stages.verify import VerifyStage, extract_final_answer, grade, last_boxed, majority_classes
+from sptool.stages.verify import (VerifyStage, answers_equivalent, extract_final_answer, grade, last_boxed,
+                                   majority_classes)
 
 
 def samples(*texts):
@@ -184,3 +185,25 @@ def test_verify_cli_grades_unboxed_answers_and_require_boxed_restores_strictness
     [out] = read_jsonl(strict.stdout)
     assert [s["correct"] for s in out["samples"]] == [False, True, False]
     assert [s["answer"] for s in out["samples"]] == [None, "6", None]
+
+
+def test_an_equation_on_numbers_is_graded_by_its_value():
+    """math-verify compares two equations by lhs − rhs, so "47 + 38 = 85" and "57 + 76 = 133" are
+    "equivalent" (both 0). A majority answer written as an equation then became a pseudo-label that
+    any true equation matched, and the random-label control learnt to box true equations. The
+    value after the last "=" is the answer: the majority is "85", and an equation for another sum,
+    true or not, is wrong against it."""
+    votes = grade({"texts": [r"\boxed{47 + 38 = 85}", r"\boxed{57 + 76 = 133}", r"\boxed{1 + 1 = 2}",
+                             r"\boxed{85}"], "gold": None})
+    assert votes["majority"] == "85" and votes["n_classes"] == 3
+    assert votes["correct"] == [True, False, False, True]
+    against_equation = grade({"texts": [r"\boxed{57 + 76 = 133}", r"\boxed{2 + 2 = 5}", r"\boxed{40+45 = 85}",
+                                        r"\boxed{85}"], "gold": "47 + 38 = 85"})
+    assert against_equation["correct"] == [False, False, True, True]
+    assert answers_equivalent("47 + 38 = 85", "85") and answers_equivalent("85", "47 + 38 = 85")
+    assert not answers_equivalent("47 + 38 = 85", "57 + 76 = 133")
+    assert not answers_equivalent("1 + 1 = 3", "2 + 2 = 5")  # both off by one: equal to math-verify
+    assert not answers_equivalent("85", "47 + 38")  # unevaluated, as in grade
+    # equations with a variable are math-verify's, as before
+    assert grade({"texts": [r"\boxed{x = 5}", r"\boxed{5}"], "gold": "5"})["correct"] == [True, True]
+    assert grade({"texts": [r"\boxed{y = 2x + 1}"], "gold": "y = 2x + 1"})["correct"] == [True]

@@ -189,10 +189,14 @@ def final_answer(text: str, *, require_boxed: bool = False) -> FinalAnswer | Non
 # an RL policy learns to copy the question into the box (measured on two-digit sums: sampled
 # "accuracy" 0.99 after 14 steps, 0.00 held-out under a grader that wants the number). Such an
 # answer is wrong, and casts no vote. "47 + 38 = 85" is fine: the part after the last "=" counts.
-_NUMBER = r"\(?[-+−]?\d[\d,]*(?:\.\d+)?\)?"
+_NUMBER = r"\(?[-+−]?\d+(?:,\d{3})*(?:\.\d+)?\)?"  # "1,000": a thousands separator; "1, -2": two answers
 _OPERATOR = r"(?:[-+*×÷−]|\\times|\\cdot|\\div|\\ast)"
 _UNEVALUATED = re.compile(rf"{_NUMBER}(?:{_OPERATOR}{_NUMBER})+")
 _UNEVALUATED_MAX_CHARS = 256  # longer answers go to math-verify (and its deadline) as before
+
+
+def _squeezed(text: str) -> str:
+    return re.sub(r"\s+|\$|\\[,!;]", "", text)
 
 
 def unevaluated_arithmetic(answer: str) -> bool:
@@ -200,8 +204,30 @@ def unevaluated_arithmetic(answer: str) -> bool:
     final = answer.rsplit("=", 1)[-1]
     if len(final) > _UNEVALUATED_MAX_CHARS:
         return False
-    final = re.sub(r"\s+|\$|\\[,!;]", "", final)
-    return bool(_UNEVALUATED.fullmatch(final))
+    return bool(_UNEVALUATED.fullmatch(_squeezed(final)))
+
+
+# An equation on numbers ("47 + 38 = 85") is graded by its value, the part after the last "=".
+# math-verify compares two equations by lhs − rhs, so every true equation equals every other
+# ("47 + 38 = 85" ≡ "57 + 76 = 133", both 0), and so does every pair off by the same amount. When
+# a majority answer is such an equation it becomes a pseudo-label that any true equation matches:
+# on two-digit sums the random-label control then learnt to box true equations and reached 0.82
+# "accuracy" against labels of other questions. Equations with a variable ("x = 5", "y = 2x + 1")
+# are left to math-verify.
+_NUMERIC_SIDE = re.compile(rf"{_NUMBER}(?:{_OPERATOR}{_NUMBER})*")
+
+
+def settled_answer(final: FinalAnswer | None) -> FinalAnswer | None:
+    """The answer as graded: None for no answer or unevaluated arithmetic ("47+38"); the value of an
+    equation on numbers ("47 + 38 = 85" → "85"); else the answer itself."""
+    if final is None or unevaluated_arithmetic(final.text):
+        return None
+    *sides, value = final.text.split("=")
+    value = value.strip().rstrip(".").strip()
+    if sides and value and len(final.text) <= _UNEVALUATED_MAX_CHARS and all(
+            _NUMERIC_SIDE.fullmatch(_squeezed(side)) for side in sides):
+        return boxed_answer(value)
+    return final
 
 
 _EQUIVALENT: dict[tuple, bool] = {}
@@ -228,8 +254,10 @@ def equivalent(gold: FinalAnswer, predicted: FinalAnswer) -> bool:
 
 
 def answers_equivalent(gold: str, predicted: str) -> bool:
-    """math-verify equivalence of two answer strings, gold first (cached)."""
-    return equivalent(boxed_answer(gold), boxed_answer(predicted))
+    """math-verify equivalence of two answer strings as graded (:func:`settled_answer`), gold first
+    (cached)."""
+    gold_settled, predicted_settled = settled_answer(boxed_answer(gold)), settled_answer(boxed_answer(predicted))
+    return bool(gold_settled and predicted_settled) and equivalent(gold_settled, predicted_settled)
 
 
 def majority_classes(answers: list) -> list[list[int]]:
@@ -296,20 +324,23 @@ def grade(task: dict) -> dict:
     require_boxed = task.get("require_boxed", False)
     if task.get("scorer"):  # a reasoning-gym task that is not graded by math-verify
         answers, boxed, classes, is_correct = _task_scorer_answers(texts, task["scorer"], require_boxed)
+        graded = answers
     else:
         finals = [final_answer(text, require_boxed=require_boxed) for text in texts]
         answers = [final.text if final else None for final in finals]
         boxed = [bool(final and final.boxed) for final in finals]
-        settled = [None if final is None or unevaluated_arithmetic(final.text) else final for final in finals]
+        settled = [settled_answer(final) for final in finals]
+        graded = [final.text if final else None for final in settled]  # the majority: "85", not "47 + 38 = 85"
         classes = majority_classes(settled)
-        reference = boxed_answer(gold) if gold is not None else None
+        reference = settled_answer(boxed_answer(gold)) if gold is not None else None
 
         def is_correct(index: int) -> bool:
             final = settled[index]
-            return final is not None and final.text != INVALID and equivalent(reference, final)
+            return final is not None and final.text != INVALID and reference is not None and \
+                equivalent(reference, final)
 
     majority_members = set(classes[0]) if classes else set()
-    majority = answers[classes[0][0]] if classes else None
+    majority = graded[classes[0][0]] if classes else None
     if gold is not None:
         correct = [is_correct(index) for index in range(k)]
         label_source = "reference"
