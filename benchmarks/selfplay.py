@@ -127,6 +127,9 @@ def common_sets(s: Settings) -> dict:
         # the float32 activations kept for backward are most of it by estimate (30 layers x ~20
         # saved tensors x 16,384 tokens x 576 x 4 bytes, about 22 GB)
         "train.max_tokens_per_micro_batch": 4096,
+        # every arm starts new AdamW moments from the start checkpoint (run 4: restored moments carried
+        # the labelled start's direction into the label-free arms, and the random-label control gained)
+        "train.start_optimizer": "fresh",
         "model.device": s.device, "model.gen_batch_size": s.gen_batch if s.cuda else 16, "model.decoder": s.decoder,
         "verify.workers": 2 if s.cuda else 1, "verify.require_boxed": True,
         "prompts.solve": s.prompt, "prompts.solve_prefix": "", "prompts.solve_stop": [],

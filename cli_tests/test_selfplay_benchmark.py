@@ -48,6 +48,9 @@ def test_format_weight_reaches_every_arm_and_the_control_alike():
     assert weights == {"rzero": {"rzero.format_weight": 0.0}, "shuffled": {"rzero.format_weight": 0.0},
                        "rquest": {"rquest.format_weight": 0.0}, "rlvr": {"rlvr.format_weight": 0.0},
                        "svs": {"svs.format_weight": 0.0}}
+    # and every arm from the start checkpoint begins with fresh AdamW moments (run 4's finding)
+    assert {selfplay.arm_plan(arm, settings, "START")[2]["train.start_optimizer"]
+            for arm in ("rzero", "shuffled", "rquest", "rlvr", "svs", "wist", "wist-uniform")} == {"fresh"}
     result = subprocess.run([sys.executable, str(selfplay.__file__), "--device", "cpu", "--format-weight", "2"],
                             capture_output=True, text=True)
     assert result.returncode != 0 and "--format-weight: expected a number in [0, 1], got 2.0" in result.stderr

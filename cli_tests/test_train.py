@@ -460,6 +460,17 @@ def test_two_invocations_equal_one_invocation_with_two_updates(cli, random_model
     (tmp_path / "s1-fresh" / "sptool_state" / "optimizer.pt").unlink()
     assert cli(["train-step", g2, "-m", tmp_path / "s1-fresh", "-o", tmp_path / "s2-fresh", *common]).exit_code == 0
     assert max_abs_diff(weights_of(tmp_path / "s2"), weights_of(tmp_path / "s2-fresh")) > 1e-4
+    # restore_optimizer=False (sptool run's train.start_optimizer = "fresh"): the saved moments are not read
+    updated = {}
+    for name, start, restore in (("fresh", tmp_path / "s1", False), ("deleted", tmp_path / "s1-fresh", True),
+                                 ("restored", tmp_path / "s1", True)):
+        trainer = make_trainer(str(start), learning_rate=1e-3, loss="dapo", restore_optimizer=restore)
+        trainer.update(GROUPS[2:])
+        updated[name] = {key: value.detach().clone() for key, value in trainer.model.state_dict().items()}
+    def largest_difference(a, b):
+        return max(float((a[key] - b[key]).abs().max()) for key in a)
+    assert largest_difference(updated["fresh"], updated["deleted"]) < 1e-6
+    assert largest_difference(updated["fresh"], updated["restored"]) > 1e-4
 
 
 def test_accelerate_two_processes_equal_one_process(cli, random_model_dir, tmp_path):
@@ -632,3 +643,28 @@ def test_real_tiny_model_reward_rises(tiny_model_dir, tmp_path):
           f"losses {[round(m['loss'], 4) for m in history]}, ratio {history[0]['ratio_mean']:.4f}, "
           f"seconds/update {[round(m['seconds'], 1) for m in history]}")
     assert mean_after > mean_before + 0.1
+
+
+def test_restored_moments_carry_the_last_update_into_a_faint_one(random_model_dir, tmp_path):
+    """Why ``sptool run`` starts a fresh optimizer from another run's checkpoint: Adam's step is about
+    lr per weight whatever the gradient's size, so restored moments turn an update with almost no
+    signal into a step along the previous run's last update. A label-free arm that restored its
+    labelled start's moments kept learning from the labels for some ten updates."""
+    def flat(trainer):
+        return torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()])
+
+    labelled = make_trainer(random_model_dir, learning_rate=1e-3)
+    before = flat(labelled)
+    labelled.update(GROUPS[:2])
+    labelled_step = flat(labelled) - before
+    labelled.save(str(tmp_path / "s1"))
+    faint = [group("Say yes.", ["yes", "no"], [1e-6, 0.0])]  # Dr. GRPO advantages ±5e-7
+    cosine = {}
+    for restore in (True, False):
+        trainer = make_trainer(str(tmp_path / "s1"), learning_rate=1e-3, restore_optimizer=restore)
+        start = flat(trainer)
+        trainer.update(faint)
+        step = flat(trainer) - start
+        cosine[restore] = float(torch.nn.functional.cosine_similarity(step, labelled_step, dim=0))
+    assert cosine[True] > 0.9, cosine
+    assert cosine[False] < 0.5, cosine

@@ -107,6 +107,13 @@ class TrainSection:
                          "the sampler too")
     compile: bool = setting(True, "torch.compile the decoder layers and log-prob kernels on CUDA "
                             "(false: eager; never on CPU)")
+    start_optimizer: str = setting("fresh", "the optimizer of a role whose model is another run's "
+                                   "checkpoint (model.policy / solver / questioner = CKPT): fresh AdamW "
+                                   "moments, or restore that run's (its moments keep moving the weights "
+                                   "along its own objective for some ten steps, whatever this run's "
+                                   "rewards). A resumed run always restores its own",
+                                   "sptool's choice (a label-free arm from an rlvr start gained as much "
+                                   "under random labels with restored moments)", choices=("fresh", "restore"))
     shared_policy: bool = setting(True, "one policy plays every role (WIST, SvS), else questioner and "
                                   "solver are trained apart (R-Zero, R-Quest)")
 
@@ -210,9 +217,10 @@ class Sections:
         return cls(**{name: section_object(kind, config[name]) for name, kind in COMMON_SECTIONS.items()})
 
     def train_options(self) -> dict[str, Any]:
-        """The ``[train]`` keys that are ``train-step`` settings (all but ``shared_policy``)."""
+        """The ``[train]`` keys that are ``train-step`` settings (all but ``shared_policy`` and
+        ``start_optimizer``, which :class:`~sptool.run.session.Policy` turns into ``restore_optimizer``)."""
         options = {f.name: getattr(self.train, f.name) for f in dataclasses.fields(self.train)
-                   if f.name != "shared_policy"}
+                   if f.name not in ("shared_policy", "start_optimizer")}
         options["mixed_precision"] = None if options["mixed_precision"] == "auto" else options["mixed_precision"]
         if options.pop("compile"):
             options["compile"] = options["compile_kernels"] = None  # on CUDA

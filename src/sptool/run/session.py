@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 from sptool.stages.problemsets import read_labelled_problems  # noqa: F401 - its home was here
@@ -41,13 +42,24 @@ class Policy:
         """Whether the trainer took steps since its weights were loaded or last written."""
         return self._trainer is not None and self._trainer.step != self.saved_step
 
+    def restores_optimizer(self) -> bool:
+        """Whether the trainer restores the optimizer state saved with its start: always for this
+        run's own checkpoints (resume, R-Quest's restart), else as ``train.start_optimizer`` says."""
+        if self.session.settings.train.start_optimizer == "restore":
+            return True
+        run_dir = self.session.run_dir.path.resolve()
+        try:
+            return Path(self.start).resolve().is_relative_to(run_dir)
+        except (OSError, ValueError):
+            return False
+
     @property
     def trainer(self):
         if self._trainer is None:
             from sptool.train.step import PolicyTrainer, TrainConfig
 
             s = self.session.settings
-            config = TrainConfig(model=self.start, **s.train_options(),
+            config = TrainConfig(model=self.start, **s.train_options(), restore_optimizer=self.restores_optimizer(),
                                  max_completion_tokens=s.generation.max_tokens,  # Dr. GRPO's L
                                  chat_template=s.model.chat_template, device=s.model.device or None,
                                  ref_model=self.reference, seed=s.run.seed)

@@ -64,6 +64,10 @@ class TrainConfig:
     # weights, activations and accumulation, products rounded to a 10-bit mantissa. Process-wide, so
     # a float32 sampler in the same process uses them too.
     tf32: bool = False
+    # Restore the AdamW state saved with ``model`` (a checkpoint): a resumed or chained run goes on
+    # exactly. False: fresh moments (a run that starts from another run's checkpoint; see
+    # ``train.start_optimizer`` in ``sptool run``).
+    restore_optimizer: bool = True
 
     def __post_init__(self) -> None:
         objective = OBJECTIVES.get(self.loss)

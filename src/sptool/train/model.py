@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import asdict
+from pathlib import Path
 from typing import Callable, Sequence
 
 from sptool.core.records import RuntimeFailure
@@ -146,6 +147,10 @@ class PolicyModel:
 
     def _restore_optimizer(self, optimizer, n_params: int) -> None:
         if self.config.model is None or not os.path.isdir(str(self.config.model)):
+            return
+        if not self.config.restore_optimizer:
+            if (Path(self.config.model) / ckpt.STATE_DIR / ckpt.OPTIMIZER_FILE).is_file():
+                self.log(f"note: a fresh optimizer; the AdamW state saved in {self.config.model} is not restored")
             return
         saved = ckpt.load_optimizer_state(self.config.model)
         if saved is None:
