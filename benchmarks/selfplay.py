@@ -276,14 +276,20 @@ def round_stats(run_dir: Path, iteration: int) -> dict:
         passed = sum(passes_the_validity_gate(r) for p in step_files(run_dir, iteration, "verify-validity")
                      for r in read_jsonl(p))
         stats["validity_gate_rate"] = share(passed, gate_in)
-    judged = [r for p in step_files(run_dir, iteration, "novelty") for r in read_jsonl(p)]
+    judged = [r for p in step_files(run_dir, iteration, "novelty") for r in read_jsonl(p)
+              if isinstance(r.get("novelty"), dict)]  # malformed questions pass through unjudged
     if judged:
-        stats["novel_rate"] = share(sum(not r.get("duplicate", False) and r.get("novel", True) is not False
-                                        for r in judged), len(judged))
+        stats["novel_rate"] = share(sum(is_novel(r) for r in judged), len(judged))
     leaves = leaf_stats([r for p in step_files(run_dir, iteration, "verify") for r in read_jsonl(p)])
     if leaves:
         stats["leaves"] = leaves
     return stats
+
+
+def is_novel(record: dict) -> bool:
+    """The novelty stage's verdict on one judged question: ``novelty.novel`` (the stage writes
+    ``{"novel": bool, "compared": [...], "judge": ..., "k": ...}``)."""
+    return bool(record["novelty"].get("novel"))
 
 
 def leaf_stats(verified: list[dict]) -> dict:

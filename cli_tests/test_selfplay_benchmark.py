@@ -101,6 +101,12 @@ def test_the_report_reads_a_cut_short_arm_from_its_run_directory(tmp_path):
                 [{"question": "What is 12 + 27?", "valid": True}, {"question": "Name a colour?", "valid": True},
                  {"question": None, "valid": False}])
     write_jsonl(run / "iter-0001" / "02-q1-challenge.rejects.jsonl", [{"question": None, "valid": False}])
+    # the novelty stage's verdicts, as it writes them; a malformed question passes through unjudged
+    write_jsonl(run / "iter-0001" / "06-q1-novelty.jsonl",
+                [{"question": "What is 12 + 27?", "novelty": {"novel": True, "compared": [], "judge": None, "k": 3}},
+                 {"question": "What is 12 + 28?", "novelty": {"novel": False, "compared": [], "judge": None, "k": 3}},
+                 {"question": "What is 12 + 29?", "novelty": {"novel": False, "compared": [], "judge": None, "k": 3}},
+                 {"question": None, "valid": False}])
 
     text = selfplay.report(tmp_path)
     assert "| rzero (cut short) | 1 | 0.500 | 0.750 |" in text     # round 1 = 3 solver updates
@@ -109,6 +115,7 @@ def test_the_report_reads_a_cut_short_arm_from_its_run_directory(tmp_path):
     round_1 = summary["arms"][0]["rounds"]["1"]
     assert round_1["pool"] == 4 and round_1["pseudo_label_accuracy"] == pytest.approx(2 / 3)
     assert round_1["proposals"] == 4 and round_1["well_formed_rate"] == 0.5 and round_1["valid_rate"] == 0.25
+    assert round_1["novel_rate"] == pytest.approx(1 / 3)
 
 
 def test_a_label_free_gain_that_the_random_label_control_also_shows_is_not_met(tmp_path):
