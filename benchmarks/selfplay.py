@@ -279,17 +279,12 @@ def round_stats(run_dir: Path, iteration: int) -> dict:
     judged = [r for p in step_files(run_dir, iteration, "novelty") for r in read_jsonl(p)
               if isinstance(r.get("novelty"), dict)]  # malformed questions pass through unjudged
     if judged:
-        stats["novel_rate"] = share(sum(is_novel(r) for r in judged), len(judged))
+        # the stage writes {"novel": bool, "compared": [...], "judge": ..., "k": ...}
+        stats["novel_rate"] = share(sum(bool(r["novelty"].get("novel")) for r in judged), len(judged))
     leaves = leaf_stats([r for p in step_files(run_dir, iteration, "verify") for r in read_jsonl(p)])
     if leaves:
         stats["leaves"] = leaves
     return stats
-
-
-def is_novel(record: dict) -> bool:
-    """The novelty stage's verdict on one judged question: ``novelty.novel`` (the stage writes
-    ``{"novel": bool, "compared": [...], "judge": ..., "k": ...}``)."""
-    return bool(record["novelty"].get("novel"))
 
 
 def leaf_stats(verified: list[dict]) -> dict:

@@ -467,10 +467,8 @@ def test_two_invocations_equal_one_invocation_with_two_updates(cli, random_model
         trainer = make_trainer(str(start), learning_rate=1e-3, loss="dapo", restore_optimizer=restore)
         trainer.update(GROUPS[2:])
         updated[name] = {key: value.detach().clone() for key, value in trainer.model.state_dict().items()}
-    def largest_difference(a, b):
-        return max(float((a[key] - b[key]).abs().max()) for key in a)
-    assert largest_difference(updated["fresh"], updated["deleted"]) < 1e-6
-    assert largest_difference(updated["fresh"], updated["restored"]) > 1e-4
+    assert max_abs_diff(updated["fresh"], updated["deleted"]) < 1e-6
+    assert max_abs_diff(updated["fresh"], updated["restored"]) > 1e-4
 
 
 def test_accelerate_two_processes_equal_one_process(cli, random_model_dir, tmp_path):

@@ -47,11 +47,7 @@ class Policy:
         run's own checkpoints (resume, R-Quest's restart), else as ``train.start_optimizer`` says."""
         if self.session.settings.train.start_optimizer == "restore":
             return True
-        run_dir = self.session.run_dir.path.resolve()
-        try:
-            return Path(self.start).resolve().is_relative_to(run_dir)
-        except (OSError, ValueError):
-            return False
+        return Path(self.start).resolve().is_relative_to(self.session.run_dir.path.resolve())
 
     @property
     def trainer(self):

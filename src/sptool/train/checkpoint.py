@@ -56,11 +56,16 @@ def read_state(path: str | os.PathLike) -> dict | None:
         raise RuntimeFailure(f"cannot read {file}: {exc}") from None
 
 
+def optimizer_state_file(path: str | os.PathLike) -> Path:
+    """Where a checkpoint keeps its optimizer state (it may not exist)."""
+    return Path(path) / STATE_DIR / OPTIMIZER_FILE
+
+
 def load_optimizer_state(path: str | os.PathLike) -> dict | None:
     """The saved optimizer state dict (safe loading: tensors and plain containers only)."""
     import torch
 
-    file = Path(path) / STATE_DIR / OPTIMIZER_FILE
+    file = optimizer_state_file(path)
     if not file.is_file():
         return None
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import asdict
-from pathlib import Path
 from typing import Callable, Sequence
 
 from sptool.core.records import RuntimeFailure
@@ -149,7 +148,7 @@ class PolicyModel:
         if self.config.model is None or not os.path.isdir(str(self.config.model)):
             return
         if not self.config.restore_optimizer:
-            if (Path(self.config.model) / ckpt.STATE_DIR / ckpt.OPTIMIZER_FILE).is_file():
+            if ckpt.optimizer_state_file(self.config.model).is_file():
                 self.log(f"note: a fresh optimizer; the AdamW state saved in {self.config.model} is not restored")
             return
         saved = ckpt.load_optimizer_state(self.config.model)
