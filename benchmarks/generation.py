@@ -314,17 +314,20 @@ def measure_stages(model: str, args) -> list[dict]:
     trainer = PolicyTrainer(TrainConfig(model=model, device=args.device, max_completion_tokens=args.max_tokens))
     rows = []
     for decoder in args.decoder:
-        rows += measure_decoder(trainer, model, decoder, args, cuda)
+        for attention in args.attention:
+            rows += measure_decoder(trainer, model, decoder, args, cuda, attention)
     return rows
 
 
-def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool) -> list[dict]:
-    """Every stage through one backend (``decoder``: generate or step) over the trainer's live model."""
+def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attention: str = "model") -> list[dict]:
+    """Every stage through one backend (``decoder``: generate or step) over the trainer's live model,
+    the sptool arm with ``model.decode_attention = attention`` (model: the model's own SDPA, or
+    grouped: ``sptool.models.decode_attention``); the bare arm always with the model's own."""
     from sptool.models.hf import HFBackend
 
     live = trainer.accelerator.unwrap_model(trainer.model)
     backend = HFBackend.from_model(live, trainer.tokenizer, model_id=model, batch_size=args.batch[0],
-                                   compile=not args.no_compile, decoder=decoder,
+                                   compile=not args.no_compile, decoder=decoder, decode_attention=attention,
                                    log=lambda m: print("#", m, file=sys.stderr))
     weight_bytes = sum(p.numel() * p.element_size() for p in live.parameters())
     rows = []
@@ -349,7 +352,8 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool) -> list
         bare_replay(backend, calls[:1])  # warm-up of the bare arm (allocator, kernels)
         bare_s, bare_steps, bare_tokens = bare_replay(backend, calls)
         kv = backend.cache_bytes() / max(1, len(backend._caches)) if backend._caches else 0
-        row = dict(stage=stage_name, recipe=recipe, shape=args.shape, decoder=decoder, decoding=backend.decoding,
+        row = dict(stage=stage_name, recipe=recipe, shape=args.shape, decoder=decoder, attention=attention,
+                   decoding=backend.decoding,
                    calls=len(calls), rows=max(len(c["prompts"]) * c["n"] for c in calls),
                    max_tokens=max(c["params"].max_new_tokens for c in calls), warmup_s=round(warm_s, 1),
                    steps_s=round(steps / seconds, 1), tok_s=round(tokens / seconds, 1),
@@ -357,11 +361,11 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool) -> list
                    x_bare=round((steps / seconds) / (bare_steps / bare_s), 2),
                    floor_steps_s=round(args.hbm / weight_bytes), kv_floor_steps_s=round(args.hbm / (weight_bytes + kv)))
         rows.append(row)
-        print(f"# {stage_name} ({decoder}): {row['steps_s']} steps/s ({row['tok_s']} tok/s) vs bare {row['bare_steps_s']} "
+        print(f"# {stage_name} ({decoder}, {attention}): {row['steps_s']} steps/s ({row['tok_s']} tok/s) vs bare {row['bare_steps_s']} "
               f"steps/s: x{row['x_bare']}", file=sys.stderr, flush=True)
         if args.profile:
-            row.update(profile_stage(build, backend, stage_name, decoder, Path(args.profile), cuda))
-    rows.append(dict(loop_step_memory(trainer, backend, args, cuda), decoder=decoder))
+            row.update(profile_stage(build, backend, stage_name, f"{decoder}-{attention}", Path(args.profile), cuda))
+    rows.append(dict(loop_step_memory(trainer, backend, args, cuda), decoder=decoder, attention=attention))
     backend.close()
     if cuda:
         import torch
@@ -450,7 +454,7 @@ def loop_step_memory(trainer, backend, args, cuda: bool) -> dict:
     return row
 
 
-STAGE_HEADER = ["stage", "recipe", "shape", "decoder", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",
+STAGE_HEADER = ["stage", "recipe", "shape", "decoder", "attention", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",
                 "tok_s", "bare_steps_s", "bare_tok_s", "x_bare", "floor_steps_s", "kv_floor_steps_s"]
 
 
@@ -524,6 +528,10 @@ def main() -> None:
     parser.add_argument("--decoder", default="generate",
                         help="hf: the sptool arm's decoder, comma-separated: generate (transformers' generate), "
                         "step (sptool's step decoder, issue 33); --stages measures each, other runs the first")
+    parser.add_argument("--attention", default="model",
+                        help="--stages: the sptool arm's model.decode_attention, comma-separated: model (the "
+                        "model's own SDPA), grouped (sptool.models.decode_attention: one decoding position "
+                        "against the cache, read once)")
     parser.add_argument("--hbm", type=float, default=4.3e12, help="--stages: HBM bytes/s of the floor")
     parser.add_argument("--profile", default=None, metavar="DIR", help="--stages: each stage once more under "
                         "torch.profiler; ms per decoding step (wall and device) and the top ops in DIR/STAGE-DECODER.txt")
@@ -531,6 +539,9 @@ def main() -> None:
     args.decoder = [item.strip() for item in args.decoder.split(",") if item.strip()] or ["generate"]
     if not set(args.decoder) <= {"generate", "step"}:
         parser.error(f"--decoder: generate or step, not {args.decoder}")
+    args.attention = [item.strip() for item in args.attention.split(",") if item.strip()] or ["model"]
+    if not set(args.attention) <= {"model", "grouped"}:
+        parser.error(f"--attention: model or grouped, not {args.attention}")
     if args.stages:
         args.batch = [int(item) for item in args.batch.split(",")]
         with tempfile.TemporaryDirectory(prefix="sptool-bench-") as workdir:

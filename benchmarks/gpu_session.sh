@@ -23,7 +23,7 @@ for step in "$@"; do
   case "$step" in
     gen-tiny) timeout 240 python3 benchmarks/generation.py --backend hf --device cuda --shape tiny --batch 64,256,1024 --max-tokens 256 --repeats 1 ;;
     gen-tiny-static) timeout 300 python3 benchmarks/generation.py --backend hf --device cuda --shape tiny --batch 256 --max-tokens 256 --repeats 1 --static-cache --compile ;;
-    gen-stages) mkdir -p $OUT/gen-stages; for shape in ${SHAPES:-tiny 0.6b}; do timeout ${STAGE_TIMEOUT:-280} python3 benchmarks/generation.py --stages --device cuda --shape $shape --batch ${BATCH:-512} --max-tokens ${MAXTOK:-64} ${STAGES:+--only "$STAGES"} --decoder ${DECODERS:-generate,step} ${PROFILE:+--profile $OUT/gen-stages/profile-$shape} --json > $OUT/gen-stages/$shape.md 2> $OUT/gen-stages/$shape.log; tail -3 $OUT/gen-stages/$shape.log; grep -v '^{' $OUT/gen-stages/$shape.md; done ;;
+    gen-stages) mkdir -p $OUT/gen-stages; for shape in ${SHAPES:-tiny 0.6b}; do timeout ${STAGE_TIMEOUT:-280} python3 benchmarks/generation.py --stages --device cuda --shape $shape --batch ${BATCH:-512} --max-tokens ${MAXTOK:-64} ${STAGES:+--only "$STAGES"} --decoder ${DECODERS:-generate,step} --attention ${ATTENTION:-model,grouped} ${PROFILE:+--profile $OUT/gen-stages/profile-$shape} --json > $OUT/gen-stages/$shape.md 2> $OUT/gen-stages/$shape.log; tail -3 $OUT/gen-stages/$shape.log; grep -v '^{' $OUT/gen-stages/$shape.md; done ;;
     gen-visibility) timeout 300 python3 -m pytest -q -m gpu cli_tests/test_static_decoding.py -p no:cacheprovider ;;
     gen-06b) timeout 240 python3 benchmarks/generation.py --backend hf --device cuda --shape 0.6b --batch 64,256 --max-tokens 256 --repeats 1 ;;
     train) timeout 240 python3 benchmarks/train_step.py --device cuda --shape 0.5b ;;

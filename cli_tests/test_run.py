@@ -155,6 +155,8 @@ def test_merge_order_set_beats_config_beats_tiny_beats_recipe(cli, tmp_path):
     (["--set", "generation.max_tokens=0"], "key 'generation.max_tokens': must be in [1, 1000000]"),
     (["--set", "nokey"], "--set expects KEY=VALUE"),
     (["--set", "train.start_optimizer=keep"], "key 'train.start_optimizer': unknown value 'keep'. Choose from: fresh, restore"),
+    (["--set", "model.decode_attention=flash"],
+     "key 'model.decode_attention': unknown value 'flash'. Choose from: grouped, model"),
 ])
 def test_bad_overrides_are_one_line_usage_errors(args, message):
     result = run_sptool("recipes", "show", "wist", *args)

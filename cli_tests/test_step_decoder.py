@@ -17,10 +17,11 @@ TIE = 1e-4  # float32 on both paths: only a genuine tie may be ordered different
 
 # -- fast checks (no model) ------------------------------------------------------------------
 
-def test_decoder_is_a_typed_model_setting_off_by_default():
+def test_decoder_and_decode_attention_are_typed_model_settings_off_by_default():
     from sptool.run.config import ModelConfig
 
     assert ModelConfig().decoder == "generate"
+    assert ModelConfig().decode_attention == "model"
 
 
 def test_rows_share_their_prompt_and_padding_rows_repeat_the_last():
@@ -132,6 +133,41 @@ def test_step_decoder_greedy_equals_generate_and_shared_prefill_changes_nothing(
     finally:
         step.share_prefill = True
     check_same_greedy(eager, tokens_of(got), tokens_of(unshared))
+
+
+@pytest.mark.slow
+def test_step_decoder_with_grouped_decode_attention_equals_generate(backends):
+    """``model.decode_attention = "grouped"`` (``sptool.models.decode_attention``) over the step
+    decoder's static cache: the same greedy tokens as eager ``generate`` with SDPA, the grouped
+    function really ran for every decoding position, and the shared model is back on SDPA after
+    the call (a trainer sharing it keeps its own attention)."""
+    from unittest import mock
+
+    from sptool.models import decode_attention
+    from sptool.models.base import SamplingParams
+
+    eager, step = backends
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    want = eager.generate(PROMPTS, 2, params)
+    seen: list[int] = []
+    real = decode_attention.grouped_decode_attention
+
+    def spy(module, query, *args, **kwargs):
+        seen.append(query.shape[2])
+        return real(module, query, *args, **kwargs)
+
+    step.decode_attention = "grouped"
+    try:
+        with mock.patch.object(decode_attention, "grouped_decode_attention", spy):
+            decode_attention.register()  # the spy under the registered name
+            got = step.generate(PROMPTS, 2, params)
+    finally:
+        step.decode_attention = "model"
+        decode_attention.register()
+    assert step.model.config._attn_implementation == "sdpa"
+    layers = step.model.config.num_hidden_layers
+    assert seen.count(1) == 11 * layers  # every decoding step after prefill's token, every layer
+    check_same_greedy(eager, tokens_of(want), tokens_of(got))
 
 
 @pytest.mark.slow
@@ -271,6 +307,8 @@ def test_compiled_step_decoder_on_gpu_follows_generate_and_weight_changes():
     notes: list[str] = []
     fast = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, compile=True,
                                 decoder="step", log=notes.append)
+    grouped = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, compile=True,
+                                   decoder="step", decode_attention="grouped", log=notes.append)
     params = SamplingParams(temperature=0, max_new_tokens=24)
 
     def same(want, got):
@@ -283,12 +321,15 @@ def test_compiled_step_decoder_on_gpu_follows_generate_and_weight_changes():
     before = tokens_of(fast.generate(PROMPTS, 3, params))
     same(tokens_of(eager.generate(PROMPTS, 3, params)), before)
     assert fast.decoding == "step-compiled", notes
+    same(before, tokens_of(grouped.generate(PROMPTS, 3, params)))  # the grouped decoding attention
+    assert grouped.decoding == "step-compiled" and eager.model.config._attn_implementation == "sdpa", notes
     with torch.no_grad():
         eager.model.model.layers[2].mlp.down_proj.weight.mul_(4.0)
     after = tokens_of(fast.generate(PROMPTS, 3, params))
     assert after != before
     same(tokens_of(eager.generate(PROMPTS, 3, params)), after)
+    same(after, tokens_of(grouped.generate(PROMPTS, 3, params)))
     sampled = fast.generate(PROMPTS, 3, SamplingParams(temperature=1.0, max_new_tokens=24, seed=3, logprobs=True))
     assert all(len(s.logprobs) == s.n_tokens for row in sampled for s in row)
-    assert fast.decoding == "step-compiled" and not [note for note in notes if "step decoder" in note]
+    assert fast.decoding == grouped.decoding == "step-compiled" and not [note for note in notes if "step decoder" in note]
     eager.close()

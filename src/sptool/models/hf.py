@@ -39,6 +39,9 @@ from sptool.core.records import RuntimeFailure, UsageError
 
 MAX_CACHES = 4          # static caches kept between calls (least recently used dropped first)
 DECODERS = ("generate", "step")
+#: attention while decoding: the model's own, or sptool's grouped one-position attention
+#: (:mod:`sptool.models.decode_attention`; prefill and training keep SDPA)
+DECODE_ATTENTIONS = ("model", "grouped")
 
 
 def pick_device(device: str | None) -> str:
@@ -85,7 +88,8 @@ class HFBackend:
 
     def __init__(self, model: str = "tiny", *, device: str | None = None, dtype: str | None = None,
                  batch_size: int = 64, chat_template: bool = True, static_cache: bool = False,
-                 compile: bool = False, decoder: str = "generate", log=None, **_: Any):
+                 compile: bool = False, decoder: str = "generate", decode_attention: str = "model", log=None,
+                 **_: Any):
         import torch
         import transformers
         from transformers import AutoModelForCausalLM
@@ -111,12 +115,13 @@ class HFBackend:
             raise load_failure(model, exc) from None
         self._attach(model_obj.to(device).eval(), tokenizer, model_id=model, path=path, device=device,
                      batch_size=batch_size, chat_template=chat_template, static_cache=static_cache,
-                     compile=compile, decoder=decoder, log=log)
+                     compile=compile, decoder=decoder, decode_attention=decode_attention, log=log)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, *, model_id: str, batch_size: int = 64,
                    chat_template: bool = True, static_cache: bool = False, compile: bool = False,
-                   decoder: str = "generate", log=None, autocast=None) -> "HFBackend":
+                   decoder: str = "generate", decode_attention: str = "model", log=None,
+                   autocast=None) -> "HFBackend":
         """A backend over an already loaded ``model`` (e.g. a trainer's policy: no copy, so it
         always generates with the current weights, whatever their dtype; the compiled path reads
         the parameters in place too). ``tokenizer`` None: loaded from ``model_id``.
@@ -126,7 +131,8 @@ class HFBackend:
         backend = cls.__new__(cls)
         backend._attach(model, tokenizer if tokenizer is not None else load_tokenizer(model_id),
                         model_id=model_id, path=model_id, batch_size=batch_size, chat_template=chat_template,
-                        static_cache=static_cache, compile=compile, decoder=decoder, log=log)
+                        static_cache=static_cache, compile=compile, decoder=decoder,
+                        decode_attention=decode_attention, log=log)
         backend.autocast = autocast
         return backend
 
@@ -137,17 +143,22 @@ class HFBackend:
 
     def _attach(self, model, tokenizer, *, model_id: str, path: str, batch_size: int, chat_template: bool,
                 device: str | None = None, static_cache: bool = False, compile: bool = False,
-                decoder: str = "generate", log=None) -> None:
+                decoder: str = "generate", decode_attention: str = "model", log=None) -> None:
         """Every attribute a backend has, set in one place (by ``__init__`` and ``from_model``).
 
         ``compile`` is honoured on CUDA only (elsewhere it is ignored: eager decoding, unless
         ``static_cache`` asks for the static cache alone); it implies the static cache.
         ``decoder``: ``generate`` (transformers' own) or ``step`` (:mod:`sptool.models.step_decoder`;
-        ``compile`` then compiles its whole step)."""
+        ``compile`` then compiles its whole step). ``decode_attention``: ``model`` (the model's own
+        attention) or ``grouped`` (:mod:`sptool.models.decode_attention`, switched on around each
+        ``generate`` call only, so a shared trainer's forwards keep the model's own)."""
         import torch
 
         if decoder not in DECODERS:
             raise UsageError(f"unknown decoder '{decoder}'; choose from {', '.join(DECODERS)}")
+        if decode_attention not in DECODE_ATTENTIONS:
+            raise UsageError(f"unknown decode attention '{decode_attention}'; choose from "
+                             f"{', '.join(DECODE_ATTENTIONS)}")
 
         parameter = next(model.parameters())
         self.model_id, self.path = model_id, path
@@ -176,6 +187,7 @@ class HFBackend:
         self.decode_steps = 0  # decoding steps run (generated columns, summed over batches)
         self._compile_proven = False  # a compiled call succeeded (later failures are real errors)
         self.decoder = decoder
+        self.decode_attention = decode_attention
         self.share_prefill = True  # step decoder: one prefill per distinct prompt of a batch
         self._step_decoder = None  # built on the first step-decoded call
         self._step_proven = False  # a step-decoded call succeeded (later failures are real errors)
@@ -254,6 +266,14 @@ class HFBackend:
         return render_prompt(self.tokenizer, prompt, self.chat_template)
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
+        if self.decode_attention == "model":
+            return self._generate(prompts, n, params)
+        from sptool.models.decode_attention import attention_implementation
+
+        with attention_implementation(self.model, self.decode_attention):
+            return self._generate(prompts, n, params)
+
+    def _generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
         if self.decoder == "step":
             return self._generate_step(prompts, n, params)
         torch = self._torch
@@ -336,7 +356,7 @@ class HFBackend:
                     if not self.compile or self._compile_proven or isinstance(exc, torch.cuda.OutOfMemoryError):
                         raise
                     self._give_up_compile(exc)
-                    return self.generate(prompts, n, params)
+                    return self._generate(prompts, n, params)
             self._compile_proven = True
             if self.static_cache and fresh:
                 self._report_cache(rows, length)
@@ -408,7 +428,7 @@ class HFBackend:
                                                          if self.generate_options else None)
                 if why is not None:
                     self._give_up_step(why)
-                    return self.generate(prompts, n, params)
+                    return self._generate(prompts, n, params)
                 self._step_decoder = StepDecoder(self.model, compile=self.compile)
             if self.compile and (rows, length) not in self.shapes_seen and self.log is not None:
                 self.log(f"hf: new decoding shape {rows} rows x {length} positions: compiling or "
@@ -428,7 +448,7 @@ class HFBackend:
                         raise
                     first = (str(exc).strip().splitlines() or [""])[0][:200]
                     self._give_up_step(f"its first call failed: {type(exc).__name__}: {first}")
-                    return self.generate(prompts, n, params)
+                    return self._generate(prompts, n, params)
             self._step_proven = True
             if fresh:
                 self._report_cache(rows, length)

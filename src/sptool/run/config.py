@@ -65,6 +65,10 @@ class ModelConfig:
                            "step decoder: one prefill per distinct prompt, a sampling step without host "
                            "syncs, compiled whole on CUDA with compile_generation; falls back to "
                            "generate for a model it can't run)", choices=("generate", "step"))
+    decode_attention: str = setting("model", "hf backend: attention while decoding: model (the model's "
+                                    "own, SDPA) or grouped (one decoding position against the KV cache as "
+                                    "a grouped-query matmul: keys and values read once, no repeat_kv "
+                                    "copy; prefill and training keep SDPA)", choices=("model", "grouped"))
     base_url: str = setting("", "openai backend: server URL(s), comma-separated (--base-url; `sptool "
                             "serve` starts one); empty: $SPTOOL_BASE_URL or http://127.0.0.1:8000/v1")
 
