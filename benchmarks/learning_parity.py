@@ -29,6 +29,13 @@ runs (sums of 2..19, sptool's few-shot ``direct`` prompt, prefix ``\\boxed{``, s
   (mean, spread, max, min), clip share, sampler–trainer log-prob gap and TIS weight, from the run's
   ``metrics.jsonl``; the report prints their means per arm.
 
+``--seeds 0,1,2`` runs every arm once per seed (``ARM.seedN.json``). One seed's curve is one
+trajectory: a rounding or a rollout sends it down another path, and the binomial error of 300
+held-out problems does not hold that spread. The report then adds each arm's mean and standard
+error over its seeds, and every arm against ``--reference`` (default ``sptool``, float32): the mean
+difference at each evaluation with the standard error of the difference, and whether it stays
+above −2 s.e. (issue 32's bar).
+
 Held-out accuracy is measured the same way for every arm, by the function below (greedy, strict:
 the last boxed answer must be right): before training, every ``--eval-every`` steps and after the
 last; the sptool arms save a checkpoint at those steps and are evaluated from it. Seconds per step
@@ -259,8 +266,8 @@ def greedy_accuracy(model, tokenizer, problems: list[dict], template: str, setti
 class Recorder:
     """Per-step timings and held-out accuracies of one arm; printed as they come, saved as JSON."""
 
-    def __init__(self, arm: str, settings: Settings):
-        self.arm, self.settings = arm, settings
+    def __init__(self, arm: str, settings: Settings, tag: str = ""):
+        self.arm, self.settings, self.tag = arm, settings, tag
         self.steps: list[dict] = []
         self.evals: list[dict] = []
         self.notes: dict = {}
@@ -274,19 +281,25 @@ class Recorder:
         self.steps.append({"step": step, "total": total, **parts, **extra})
         shown = " ".join(f"{part[:5]} {parts[part]:.2f}" for part in PARTS)
         reward_text = f" reward {extra['mean_reward']:.3f}" if extra.get("mean_reward") is not None else ""
-        print(f"[{self.arm}] step {step}/{self.settings.steps}: {total:.2f} s ({shown}){reward_text}",
+        print(f"[{self.arm}{self.tag}] step {step}/{self.settings.steps}: {total:.2f} s ({shown}){reward_text}",
               file=sys.stderr, flush=True)
 
     def evaluation(self, step: int, accuracy: float, seconds: float) -> None:
-        self.evals.append({"step": step, "greedy_accuracy": accuracy, "seconds": seconds})
-        print(f"[{self.arm}] held-out greedy accuracy after {step} steps: {accuracy:.3f} ({seconds:.1f} s)",
+        self.evals.append({"step": step, "greedy_accuracy": accuracy, "seconds": seconds,
+                           "problems": self.heldout_size()})
+        print(f"[{self.arm}{self.tag}] held-out greedy accuracy after {step} steps: {accuracy:.3f} ({seconds:.1f} s)",
               file=sys.stderr, flush=True)
         if self.out is not None:  # saved as it goes: a run cut short keeps what it measured
             self.save(self.out)
 
+    def heldout_size(self) -> int:
+        if not hasattr(self, "_heldout_size"):
+            self._heldout_size = len(read_jsonl(self.settings.heldout, self.settings.heldout_limit))
+        return self._heldout_size
+
     def save(self, out: Path) -> Path:
         out.mkdir(parents=True, exist_ok=True)
-        path = out / f"{self.arm}.json"
+        path = out / f"{self.arm}{self.tag}.json"
         data = {"arm": self.arm, "settings": asdict(self.settings), "steps": self.steps, "evals": self.evals,
                 "notes": self.notes, "wall_s": time.time() - self.began}
         path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
@@ -605,49 +618,151 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
-def report(out: Path) -> str:
-    """The table of every ``<arm>.json`` in ``out``; writes ``parity.json`` and ``parity.txt``."""
-    results = [json.loads((out / f"{arm}.json").read_text()) for arm in ARMS if (out / f"{arm}.json").is_file()]
+def seed_tag(seed: int) -> str:
+    """The file-name tag of one seed's result in a multi-seed run: ``sptool.seed1.json``."""
+    return f".seed{seed}"
+
+
+def load_results(out: Path) -> list[dict]:
+    """Every arm result in ``out`` (``ARM.json``, and ``ARM.seedN.json`` of a ``--seeds`` run), in
+    :data:`ARMS` order, then by seed; each with ``label`` (the arm, ``ARM s1`` for a seed's)."""
+    results = []
+    for path in sorted(out.glob("*.json")):
+        arm, _, tag = path.stem.partition(".")
+        if arm not in ARMS or (tag and not tag.startswith("seed")):
+            continue
+        data = json.loads(path.read_text())
+        data["label"] = f"{arm} s{data['settings']['seed']}" if tag else arm
+        results.append(data)
+    return sorted(results, key=lambda r: (ARMS.index(r["arm"]), r["settings"]["seed"]))
+
+
+def heldout_problems(result: dict) -> int | None:
+    """The held-out size behind each accuracy (recorded with it; older results: the file's)."""
+    for evaluation in result["evals"]:
+        if evaluation.get("problems"):
+            return int(evaluation["problems"])
+    settings = result["settings"]
+    for path in (Path(settings["heldout"]), ROOT / "fixtures" / "bench" / Path(settings["heldout"]).name):
+        if path.is_file():
+            return len(read_jsonl(str(path), settings.get("heldout_limit", 0)))
+    return None
+
+
+def arm_curve(results: list[dict], step: int) -> dict | None:
+    """Held-out accuracy of one arm's seeds at ``step``: mean, its standard error and the seeds.
+
+    With two or more seeds the standard error is the seeds' spread, s / √k: it holds the
+    trajectory's variance (a rollout or a rounding sends a run down another path), which one
+    seed's binomial error, √(p(1 − p) / n) over n held-out problems, cannot show."""
+    values = [e["greedy_accuracy"] for r in results for e in r["evals"] if e["step"] == step]
+    if not values:
+        return None
+    k, centre = len(values), sum(values) / len(values)
+    if k >= 2:
+        spread = math.sqrt(sum((v - centre) ** 2 for v in values) / (k - 1))
+        se, kind = spread / math.sqrt(k), "seeds"
+    else:
+        n = heldout_problems(results[0])
+        # p(1 − p) floored at a quarter problem's worth, so that 0 and 1 keep an error
+        se, kind = (math.sqrt(max(centre * (1 - centre), 0.25 / n) / n) if n else None), "binomial"
+    return {"mean": centre, "se": se, "seeds": k, "values": values, "se_from": kind}
+
+
+def against_reference(curves: dict[str, dict[int, dict]], reference: str, steps: list[int]) -> dict:
+    """Each arm's mean minus the reference arm's at every evaluation after step 0, with the standard
+    error of the difference √(se_arm² + se_ref²); ``within`` is difference ≥ −2 s.e. (issue 32's
+    bar: at least the float32 arm − 2 s.e.)."""
+    table: dict = {}
+    ref = curves.get(reference, {})
+    for arm, by_step in curves.items():
+        if arm == reference:
+            continue
+        rows = {}
+        for step in steps:
+            a, r = by_step.get(step), ref.get(step)
+            if not step or a is None or r is None or a["se"] is None or r["se"] is None:
+                continue
+            diff, se = a["mean"] - r["mean"], math.sqrt(a["se"] ** 2 + r["se"] ** 2)
+            rows[str(step)] = {"difference": diff, "se": se, "within": diff >= -2 * se}
+        if rows:
+            table[arm] = {"steps": rows, "within_everywhere": all(row["within"] for row in rows.values())}
+    return table
+
+
+def report(out: Path, reference: str = "sptool") -> str:
+    """The table of every arm result in ``out``; writes ``parity.json`` and ``parity.txt``. With
+    several seeds of an arm, also its mean and standard error over seeds, and every arm against
+    ``reference``."""
+    results = load_results(out)
     if not results:
-        raise SystemExit(f"{out}: no arm results (bare.json, trl.json, sptool.json)")
+        raise SystemExit(f"{out}: no arm results (bare.json, trl.json, sptool.json, sptool.seed1.json ...)")
     eval_steps = sorted({e["step"] for r in results for e in r["evals"]})
     first = results[0]["settings"]
+    seeds = sorted({r["settings"]["seed"] for r in results})
+    width = max(30, max(len(r["label"]) for r in results) + 2)
     lines = [f"learning parity: {first['problems']} problems x {first['samples']} samples, "
-             f"{first['max_tokens']} new tokens, lr {first['lr']}, device {first['device']}, seed {first['seed']}",
+             f"{first['max_tokens']} new tokens, lr {first['lr']}, device {first['device']}, "
+             f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}",
              "", "held-out greedy accuracy after N steps",
-             f"{'arm':<30}" + "".join(f"{s:>8}" for s in eval_steps)]
+             f"{'arm':<{width}}" + "".join(f"{s:>8}" for s in eval_steps)]
     summary: dict = {"settings": first, "arms": {}}
     for r in results:
         by_step = {e["step"]: e["greedy_accuracy"] for e in r["evals"]}
-        lines.append(f"{r['arm']:<30}" + "".join(f"{by_step[s]:>8.3f}" if s in by_step else f"{'-':>8}"
-                                               for s in eval_steps))
+        lines.append(f"{r['label']:<{width}}" + "".join(f"{by_step[s]:>8.3f}" if s in by_step else f"{'-':>8}"
+                                                      for s in eval_steps))
+    by_arm: dict[str, list[dict]] = {}
+    for r in results:
+        by_arm.setdefault(r["arm"], []).append(r)
+    curves = {arm: {step: c for step in eval_steps if (c := arm_curve(group, step)) is not None}
+              for arm, group in by_arm.items()}
+    if any(len(group) > 1 for group in by_arm.values()):
+        lines += ["", "mean over seeds (standard error: the seeds' spread s/√k; one seed: binomial)",
+                  f"{'arm':<{width}}" + "".join(f"{s:>15}" for s in eval_steps)]
+        for arm, by_step in curves.items():
+            cells = [f"{c['mean']:.3f} ({c['se']:.3f})" if (c := by_step.get(s)) and c["se"] is not None
+                     else "-" for s in eval_steps]
+            lines.append(f"{arm + ' (' + str(len(by_arm[arm])) + ')':<{width}}" + "".join(f"{c:>15}" for c in cells))
+    compared = against_reference(curves, reference, eval_steps) if reference in curves else {}
+    if compared:
+        later = [s for s in eval_steps if s]
+        lines += ["", f"against {reference}: mean difference (s.e. of the difference); ! below {reference} − 2 s.e.",
+                  f"{'arm':<{width}}" + "".join(f"{s:>16}" for s in later) + f"{'within':>8}"]
+        for arm, row in compared.items():
+            cells = [f"{d['difference']:+.3f} ({d['se']:.3f}){'' if d['within'] else '!'}"
+                     if (d := row["steps"].get(str(s))) else "-" for s in later]
+            lines.append(f"{arm:<{width}}" + "".join(f"{c:>16}" for c in cells)
+                         + f"{'yes' if row['within_everywhere'] else 'no':>8}")
     lines += ["", "seconds per step (mean over steps 2..N; step 1 includes warm-up), held-out evaluation excluded",
-              f"{'arm':<30}{'step 1':>8}{'total':>8}" + "".join(f"{p:>12}" for p in PARTS) + f"{'eval/call':>11}"]
+              f"{'arm':<{width}}{'step 1':>8}{'total':>8}" + "".join(f"{p:>12}" for p in PARTS) + f"{'eval/call':>11}"]
     for r in results:
         later = [s for s in r["steps"] if s["step"] >= 2] or r["steps"]
         row = {key: mean([s[key] for s in later]) for key in ("total", *PARTS)}
         step1 = r["steps"][0]["total"] if r["steps"] else float("nan")
         eval_s = mean([e["seconds"] for e in r["evals"]]) or 0.0
-        lines.append(f"{r['arm']:<30}{step1:>8.2f}{row['total']:>8.2f}" +
+        lines.append(f"{r['label']:<{width}}{step1:>8.2f}{row['total']:>8.2f}" +
                      "".join(f"{row[p]:>12.2f}" for p in PARTS) + f"{eval_s:>11.1f}")
-        summary["arms"][r["arm"]] = {"accuracy": {str(e["step"]): e["greedy_accuracy"] for e in r["evals"]},
-                                     "seconds_per_step": row, "first_step_s": step1, "eval_s": eval_s,
-                                     "steps": len(r["steps"]), "notes": r.get("notes", {})}
+        summary["arms"][r["label"]] = {"arm": r["arm"], "seed": r["settings"]["seed"],
+                                       "accuracy": {str(e["step"]): e["greedy_accuracy"] for e in r["evals"]},
+                                       "seconds_per_step": row, "first_step_s": step1, "eval_s": eval_s,
+                                       "steps": len(r["steps"]), "notes": r.get("notes", {})}
+    summary["mean_over_seeds"] = {arm: {str(step): c for step, c in by_step.items()} for arm, by_step in curves.items()}
+    summary["against_reference"] = {"reference": reference, "arms": compared}
     measured = [(r, {key: mean([s[key] for s in r["steps"] if s.get(key) is not None]) for key in UPDATE_METRICS})
                 for r in results]
     measured = [(r, row) for r, row in measured if any(v is not None for v in row.values())]
     if measured:
         lines += ["", "updates: ratio π_θ/π_old, clipped share, sampler-trainer log-prob gap |log π_trainer - "
                   "log π_sampler| (nats) and TIS weight; mean over steps (step 1 in brackets: ratio max, gap)",
-                  f"{'arm':<30}" + "".join(f"{key.replace('logprob_', ''):>15}" for key in UPDATE_METRICS)
+                  f"{'arm':<{width}}" + "".join(f"{key.replace('logprob_', ''):>15}" for key in UPDATE_METRICS)
                   + f"{'step 1':>20}"]
         for r, row in measured:
             first_step = r["steps"][0] if r["steps"] else {}
             step1 = "/".join(_fmt(first_step.get(key)) for key in ("ratio_max", "logprob_gap"))
-            lines.append(f"{r['arm']:<30}" + "".join(f"{_fmt(row[key]):>15}" for key in UPDATE_METRICS)
+            lines.append(f"{r['label']:<{width}}" + "".join(f"{_fmt(row[key]):>15}" for key in UPDATE_METRICS)
                          + f"{'(' + step1 + ')':>20}")
-            summary["arms"][r["arm"]]["updates"] = row
-            summary["arms"][r["arm"]]["updates_per_step"] = [
+            summary["arms"][r["label"]]["updates"] = row
+            summary["arms"][r["label"]]["updates_per_step"] = [
                 {"step": s["step"], **{key: s.get(key) for key in UPDATE_METRICS}} for s in r["steps"]]
     text = "\n".join(lines) + "\n"
     (out / "parity.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
@@ -689,6 +804,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens (cpu 8, cuda 64)")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", default=None, help="comma-separated: every arm once per seed (results "
+                        "ARM.seedN.json); the report adds each arm's mean and standard error over its seeds "
+                        "and every arm against --reference")
+    parser.add_argument("--reference", default="sptool", help="the arm the others are held against "
+                        "(mean difference and its standard error at every evaluation; default sptool)")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--heldout-limit", type=int, default=None, help="first N held-out problems (cpu 4, cuda all)")
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (cuda 128)")
@@ -704,6 +824,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/parity-DEVICE)")
     parser.add_argument("--report", default=None, metavar="DIR", help="only print the table of DIR")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tag", default="", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -731,7 +852,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.report:
-        print(report(Path(args.report)), end="")
+        print(report(Path(args.report), args.reference), end="")
         return 0
     settings = settings_from(args)
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"parity-{settings.device.split(':')[0]}")
@@ -743,7 +864,7 @@ def main(argv=None) -> int:
 
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
-        recorder = Recorder(args.worker, settings)
+        recorder = Recorder(args.worker, settings, args.tag)
         recorder.out = out
         if args.worker == "bare":
             run_bare(settings, recorder)
@@ -758,11 +879,22 @@ def main(argv=None) -> int:
     unknown = [arm for arm in arms if arm not in ARMS]
     if unknown:
         raise SystemExit(f"--arms: unknown arm {unknown[0]!r}; choose from {', '.join(ARMS)}")
+    try:
+        seeds = [int(item) for item in args.seeds.split(",") if item.strip()] if args.seeds else []
+    except ValueError:
+        raise SystemExit(f"--seeds: comma-separated integers, not {args.seeds!r}") from None
+    if args.reference not in ARMS:
+        raise SystemExit(f"--reference: unknown arm {args.reference!r}; choose from {', '.join(ARMS)}")
     base = list(argv if argv is not None else sys.argv[1:])
-    # each arm in its own process: same start, no state shared between arms
-    failed = run_workers([(arm, [sys.executable, __file__, *base, "--worker", arm, "--device", settings.device,
-                                 "--out", str(out)]) for arm in arms], args.parallel)
-    print(report(out), end="")
+    # each arm (and seed) in its own process: same start, no state shared between arms
+    common = ["--device", settings.device, "--out", str(out)]
+    if seeds:
+        jobs = [(f"{arm} seed {seed}", [sys.executable, __file__, *base, "--worker", arm, "--seed", str(seed),
+                                        "--tag", seed_tag(seed), *common]) for seed in seeds for arm in arms]
+    else:
+        jobs = [(arm, [sys.executable, __file__, *base, "--worker", arm, *common]) for arm in arms]
+    failed = run_workers(jobs, args.parallel)
+    print(report(out, args.reference), end="")
     if failed:
         print(f"failed arms: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -1,0 +1,65 @@
+"""``benchmarks/learning_parity.py --seeds``: the report's mean and standard error over seeds and
+its comparison of every arm with the reference arm (issue 32's bar: at least the float32 arm − 2
+s.e.), on results written the way the workers write them (no model)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import learning_parity  # noqa: E402
+
+
+def write(out, arm: str, seed: int, accuracy: dict[int, float], tag: bool = True, problems: int = 300) -> None:
+    settings = {"problems": 64, "samples": 8, "max_tokens": 64, "lr": 1e-5, "device": "cuda", "seed": seed,
+                "heldout": "/elsewhere/addition_heldout_300.jsonl", "heldout_limit": 0}
+    evals = [{"step": step, "greedy_accuracy": value, "seconds": 1.0, "problems": problems}
+             for step, value in accuracy.items()]
+    steps = [{"step": 1, "total": 2.0, "generation": 1.0, "grading": 0.1, "training": 0.8, "other": 0.1}]
+    name = f"{arm}{learning_parity.seed_tag(seed) if tag else ''}.json"
+    (out / name).write_text(json.dumps({"arm": arm, "settings": settings, "steps": steps, "evals": evals}))
+
+
+def test_seeds_give_a_mean_a_spread_and_a_verdict_against_the_reference(tmp_path):
+    # the reference: 3 seeds whose spread at step 5 is wide, at step 10 narrow
+    for seed, (at5, at10) in enumerate([(0.30, 0.60), (0.40, 0.61), (0.50, 0.62)]):
+        write(tmp_path, "sptool", seed, {0: 0.0, 5: at5, 10: at10})
+    # a candidate 0.1 behind at step 5 (inside the wide spread), 0.2 behind at step 10 (outside)
+    for seed, (at5, at10) in enumerate([(0.20, 0.40), (0.30, 0.41), (0.40, 0.42)]):
+        write(tmp_path, "sptool-bf16-trainer-selfold", seed, {0: 0.0, 5: at5, 10: at10})
+    (tmp_path / "parity.json").write_text("{}")  # an earlier report is not a result
+    text = learning_parity.report(tmp_path)
+    summary = json.loads((tmp_path / "parity.json").read_text())
+    assert set(summary["arms"]) == {f"sptool s{k}" for k in range(3)} | {
+        f"sptool-bf16-trainer-selfold s{k}" for k in range(3)}
+    ref = summary["mean_over_seeds"]["sptool"]["5"]
+    assert math.isclose(ref["mean"], 0.40) and ref["seeds"] == 3 and ref["se_from"] == "seeds"
+    assert math.isclose(ref["se"], 0.1 / math.sqrt(3))  # sample s.d. 0.1 over 3 seeds
+    verdict = summary["against_reference"]["arms"]["sptool-bf16-trainer-selfold"]
+    assert math.isclose(verdict["steps"]["5"]["difference"], -0.10)
+    assert math.isclose(verdict["steps"]["5"]["se"], math.sqrt(2) * 0.1 / math.sqrt(3))
+    assert verdict["steps"]["5"]["within"] is True        # −0.10 ≥ −2 × 0.082
+    assert verdict["steps"]["10"]["within"] is False       # −0.20 < −2 × 0.008
+    assert verdict["within_everywhere"] is False and "0" not in verdict["steps"]
+    assert "seeds 0, 1, 2" in text and "mean over seeds" in text
+    row = next(line for line in text.splitlines() if line.startswith("sptool-bf16-trainer-selfold ")
+               and "!" in line)
+    assert row.split()[-1] == "no" and "-0.200" in row
+
+
+def test_one_seed_per_arm_is_held_to_the_binomial_error(tmp_path):
+    """A single-seed run (the files of earlier runs: ARM.json) is still reported, each arm against
+    the reference with the binomial error of its held-out size."""
+    write(tmp_path, "sptool", 0, {0: 0.0, 5: 0.5}, tag=False)
+    write(tmp_path, "sptool-tf32", 0, {0: 0.0, 5: 0.4}, tag=False)
+    text = learning_parity.report(tmp_path)
+    summary = json.loads((tmp_path / "parity.json").read_text())
+    assert set(summary["arms"]) == {"sptool", "sptool-tf32"} and "mean over seeds" not in text
+    step5 = summary["against_reference"]["arms"]["sptool-tf32"]["steps"]["5"]
+    assert math.isclose(step5["se"], math.sqrt(0.25 / 300 + 0.24 / 300))
+    assert step5["within"] is False  # −0.10 < −2 × 0.040
