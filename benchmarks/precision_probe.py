@@ -224,6 +224,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", default=str(ROOT / "benchmarks/prompt_zero_shot.txt"))
     parser.add_argument("--arms", default="no,bf16,bf16-full,fp16,bare",
                         help="trainer precisions (no, bf16, fp16; -full: the full-logits path) and bare")
+    parser.add_argument("--stochastic-draws", type=int, default=8,
+                        help="forwards averaged for the stochastic weight rounding's update visibility")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     import torch
@@ -302,11 +304,26 @@ def main(argv=None) -> int:
     # 3. update visibility: after one (and five) first-step Adam updates of the float32 weights at --lr
     # (the fp32 trainer's gradient), how much do the sampler's log-probs move in each precision?
     if reference is not None:
+        from sptool.train.rounding import use_weight_rounding
+
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-        base = {name: lp for name, lp in (("fp32", lp32),)}
-        before = {name: sampler_logprobs(model, encoded, sequences, completion_ids, dtype, device)[0]
-                  for name, dtype in [("bf16", torch.bfloat16)] + low[1:]}
-        before.update(base)
+        # each low precision with autocast's nearest cast and with sptool's weight roundings
+        # (train.weight_rounding); a stochastic forward is averaged over --stochastic-draws
+        views = [("bf16", torch.bfloat16, "nearest"), ("bf16-split", torch.bfloat16, "split"),
+                 ("bf16-stochastic", torch.bfloat16, "stochastic")]
+        if device.startswith("cuda"):
+            views += [("fp16", torch.float16, "nearest"), ("fp16-split", torch.float16, "split")]
+
+        def view_logprobs(dtype, rounding):
+            use_weight_rounding(model, rounding)
+            draws = args.stochastic_draws if rounding == "stochastic" else 1
+            total = sum(sampler_logprobs(model, encoded, sequences, completion_ids, dtype, device)[0]
+                        for _ in range(draws))
+            use_weight_rounding(model, "nearest")
+            return total / draws
+
+        before = {name: view_logprobs(dtype, rounding) for name, dtype, rounding in views}
+        before["fp32"] = lp32
         visibility = {}
         for steps in (1, 5):
             with torch.no_grad():
@@ -315,12 +332,14 @@ def main(argv=None) -> int:
                     if g is not None:
                         param -= args.lr * (steps if steps == 1 else steps - 1) * g / (g.abs() + 1e-8)
             moved32 = sampler_logprobs(model, encoded, sequences, completion_ids, None, device)[0] - before["fp32"]
-            for name, dtype in [("bf16", torch.bfloat16)] + low[1:]:
-                moved = sampler_logprobs(model, encoded, sequences, completion_ids, dtype, device)[0] - before[name]
+            for name, dtype, rounding in views:
+                moved = view_logprobs(dtype, rounding) - before[name]
                 visibility[f"{name}_after_{steps}"] = {
                     "cosine_with_fp32_change": torch.nn.functional.cosine_similarity(
                         moved.double(), moved32.double(), dim=0).item(),
                     "relative_size": (moved.norm() / moved32.norm()).item()}
+                print(f"visibility after {steps} update(s), {name}: {visibility[f'{name}_after_{steps}']}",
+                      file=sys.stderr)
             visibility[f"fp32_change_rms_after_{steps}"] = moved32.pow(2).mean().sqrt().item()
         weights = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
         start_params = dict(weights.named_parameters())

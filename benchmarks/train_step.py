@@ -137,6 +137,10 @@ PATHS = {
                          dict(mixed_precision="fp16", old_logprobs="trainer")),
     "new-fp16-selfold-fp32head": ("sptool, fp16 + scaler, old_logprobs=trainer, fp32_head",
                                   dict(mixed_precision="fp16", old_logprobs="trainer", fp32_head=True)),
+    "new-bf16-split-selfold": ("sptool, bf16, old_logprobs=trainer, weight_rounding=split",
+                               dict(mixed_precision="bf16", old_logprobs="trainer", weight_rounding="split")),
+    "new-bf16-sr-selfold": ("sptool, bf16, old_logprobs=trainer, weight_rounding=stochastic",
+                            dict(mixed_precision="bf16", old_logprobs="trainer", weight_rounding="stochastic")),
 }
 
 

@@ -90,6 +90,10 @@ def train_step(
                                    "log-softmax in float32 (the body stays in the autocast precision)."),
     tf32: bool = typer.Option(False, "--tf32", help="On CUDA, float32 matmuls on TF32 tensor cores (float32 "
                               "weights and accumulation; products with a 10-bit mantissa)."),
+    weight_rounding: str = typer.Option("nearest", "--weight-rounding", help="How a bf16/fp16 forward rounds "
+                                        "the float32 master weights: nearest (autocast's cast; an update below half "
+                                        "a rounding step is invisible), split (hi + lo: one more matmul per linear, "
+                                        "every update seen), stochastic (bf16: unbiased, no extra matmul)."),
     full_logits: bool = typer.Option(False, "--full-logits", help="Compute [tokens × vocabulary] logits "
                                      "(the previous, slower and larger path) instead of log-probs in token chunks."),
     no_entropy: bool = typer.Option(False, "--no-entropy", help="Skip the entropy metric (one pass less over "
@@ -129,6 +133,7 @@ def train_step(
         chat_template=not no_chat_template, device=device, mixed_precision=mixed_precision, seed=seed,
         full_logits=full_logits, entropy=not no_entropy, compile=compile_model,
         old_logprobs=old_logprobs, tis_cap=tis_cap, fp32_head=fp32_head, tf32=tf32,
+        weight_rounding=weight_rounding,
         compile_kernels=compile_model)
     common.waiting_for_stdin_hint(input_path, quiet)
     started = time.monotonic()

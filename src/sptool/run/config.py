@@ -109,6 +109,12 @@ class TrainSection:
     tf32: bool = setting(train_default("tf32"), "float32 matmuls on TF32 tensor cores (CUDA): float32 "
                          "weights and accumulation, products with a 10-bit mantissa; the whole process, "
                          "the sampler too")
+    weight_rounding: str = setting(train_default("weight_rounding"), "how a bf16/fp16 trainer's forward "
+                                   "rounds the float32 master weights: nearest (autocast's cast: an RL-sized "
+                                   "update below half a rounding step is invisible to it), split (hi + lo, one "
+                                   "more matmul per linear: every update seen), stochastic (bf16: an unbiased "
+                                   "stochastically rounded copy each forward, no extra matmul)",
+                                   choices=("nearest", "split", "stochastic"))
     compile: bool = setting(True, "torch.compile the decoder layers and log-prob kernels on CUDA "
                             "(false: eager; never on CPU)")
     start_optimizer: str = setting("fresh", "the optimizer of a role whose model is another run's "

@@ -13,6 +13,7 @@ from sptool.train.losses import OBJECTIVES
 
 #: where a rollout's log π_old comes from: the sampler's recorded log-probs, or the trainer's own forward
 OLD_LOGPROBS = ("sampler", "trainer")
+WEIGHT_ROUNDINGS = ("nearest", "split", "stochastic")  # sptool.train.rounding
 
 
 @dataclass
@@ -64,6 +65,11 @@ class TrainConfig:
     # weights, activations and accumulation, products rounded to a 10-bit mantissa. Process-wide, so
     # a float32 sampler in the same process uses them too.
     tf32: bool = False
+    # How a bf16/fp16 autocast forward rounds the float32 master weights (sptool.train.rounding):
+    # "nearest" (autocast's cast: an RL-sized update below half a rounding step is invisible),
+    # "split" (hi + lo, one more matmul per linear: every update seen), "stochastic" (bf16: an
+    # unbiased stochastically rounded copy each forward, no extra matmul).
+    weight_rounding: str = "nearest"
     # Restore the AdamW state saved with ``model`` (a checkpoint): a resumed or chained run goes on
     # exactly. False: fresh moments (a run that starts from another run's checkpoint; see
     # ``train.start_optimizer`` in ``sptool run``).
@@ -92,6 +98,10 @@ class TrainConfig:
             (self.old_logprobs in OLD_LOGPROBS,
              f"--old-logprobs must be one of {', '.join(OLD_LOGPROBS)}, got '{self.old_logprobs}'"),
             (self.tis_cap >= 0, f"--tis-cap must be >= 0 (0: off), got {self.tis_cap}"),
+            (self.weight_rounding in WEIGHT_ROUNDINGS,
+             f"--weight-rounding must be one of {', '.join(WEIGHT_ROUNDINGS)}, got '{self.weight_rounding}'"),
+            (not (self.weight_rounding == "stochastic" and self.mixed_precision == "fp16"),
+             "--weight-rounding stochastic is for bf16 (--mixed-precision bf16); fp16 can use split"),
             (self.tis_cap == 0 or self.old_logprobs == "trainer",
              "--tis-cap corrects the trainer's log π_old towards the sampler's: it needs --old-logprobs trainer"),
         ]

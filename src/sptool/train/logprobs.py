@@ -147,29 +147,38 @@ def kernels(compiled: bool) -> _Kernels:
     return _KERNELS[compiled]
 
 
-def _logits(hidden, weight, bias):
+def _logits(hidden, weight, bias, weight_lo=None):
+    if weight_lo is not None:  # the split weight rounding (sptool.train.rounding): summed in float32
+        from sptool.train.rounding import mm_fp32
+
+        z = mm_fp32(hidden, weight.t()) + mm_fp32(hidden, weight_lo.t())
+        return z + bias.float() if bias is not None else z
     z = hidden @ weight.t()
     return z + bias if bias is not None else z
 
 
 def chunked_selected_logprobs(hidden, weight, bias, targets, *, temperature: float = 1.0, chunk_rows: int = 1024,
-                              compute_dtype=None, entropy: bool = False, compiled: bool = False):
+                              compute_dtype=None, entropy: bool = False, compiled: bool = False,
+                              rounding: str = "nearest"):
     """``log softmax(W h_t / τ)[y_t]`` for every row ``t`` of ``hidden`` ``[T, d]`` (no gradient),
     ``chunk_rows`` rows at a time; with ``entropy`` also the entropy of each row's distribution.
+    ``rounding``: how ``W`` is rounded to ``compute_dtype`` (:mod:`sptool.train.rounding`).
     Returns float32 ``(logprobs [T], entropy [T] or None)``."""
     import torch
+
+    from sptool.train.rounding import low_precision_parts
 
     pair = kernels(compiled)
     dtype = compute_dtype or weight.dtype
     with torch.no_grad():
-        w = weight.detach().to(dtype)
+        w, w_lo = low_precision_parts(weight, dtype, rounding)
         b = bias.detach().to(dtype) if bias is not None else None
         h = hidden.detach().to(dtype)
         out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         ent = torch.empty_like(out) if entropy else None
         for start in range(0, h.shape[0], chunk_rows):
             end = min(start + chunk_rows, h.shape[0])
-            z = _logits(h[start:end], w, b)
+            z = _logits(h[start:end], w, b, w_lo)
             (state, out[start:end], lse, chunk_ent), fused = pair.forward(z, targets[start:end], temperature, entropy)
             if entropy:
                 if chunk_ent is None:  # the eager forward leaves the entropy to the softmax pass
@@ -210,13 +219,16 @@ def _accumulate_fp32(acc, a, b) -> None:
 
 
 def _fused_forward(hidden, weight, bias, targets, token_loss, temperature, chunk_rows, dtype, want_entropy,
-                   compiled, need_hidden_grad, need_weight_grad, need_bias_grad):
+                   compiled, need_hidden_grad, need_weight_grad, need_bias_grad, rounding="nearest"):
     import torch
+
+    from sptool.train.rounding import low_precision_parts
 
     pair = kernels(compiled)
     rows = hidden.shape[0]
     device = hidden.device
-    w = weight.detach().to(dtype)
+    # the split rounding's remainder enters the logits only; ∂L/∂h goes through hi, as in its linears
+    w, w_lo = low_precision_parts(weight, dtype, rounding)
     b = bias.detach().to(dtype) if bias is not None else None
     h = hidden.detach().to(dtype)
     grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if need_hidden_grad else None
@@ -229,7 +241,7 @@ def _fused_forward(hidden, weight, bias, targets, token_loss, temperature, chunk
     for start in range(0, rows, chunk_rows):
         end = min(start + chunk_rows, rows)
         hc = h[start:end]
-        z = _logits(hc, w, b)
+        z = _logits(hc, w, b, w_lo)
         (state, logp, lse, ent), fused = pair.forward(z, targets[start:end], temperature, want_entropy)
         del z  # the eager state is a float32 copy; the fused one is z itself
         logprobs[start:end] = logp
@@ -256,7 +268,8 @@ def _fused_forward(hidden, weight, bias, targets, token_loss, temperature, chunk
 
 
 def fused_policy_loss(hidden, weight, bias, targets, token_loss: Callable, *, temperature: float = 1.0,
-                      chunk_rows: int = 1024, compute_dtype=None, entropy: bool = False, compiled: bool = False):
+                      chunk_rows: int = 1024, compute_dtype=None, entropy: bool = False, compiled: bool = False,
+                      rounding: str = "nearest"):
     """The loss ``Σ_chunks token_loss(log π(y[chunk]))`` and its gradients w.r.t. ``hidden``
     ``[T, d]``, the head ``weight`` ``[V, d]`` (and ``bias``), computed chunk by chunk.
 
@@ -265,6 +278,7 @@ def fused_policy_loss(hidden, weight, bias, targets, token_loss: Callable, *, te
     (each term may depend on its own row's log-prob only) and a tensor of statistics that are
     summed over chunks. Returns ``(loss, logprobs, entropy or None, stats)``; only ``loss``
     carries a gradient. Backward multiplies the saved gradients by the incoming scalar.
+    ``rounding``: how the head is rounded to ``compute_dtype`` (:mod:`sptool.train.rounding`).
     """
     import torch
 
@@ -276,7 +290,7 @@ def fused_policy_loss(hidden, weight, bias, targets, token_loss: Callable, *, te
             loss, logprobs, ent, stats, gh, gw, gb = _fused_forward(
                 hidden_, weight_, bias_, targets, token_loss, temperature, chunk_rows,
                 compute_dtype or weight_.dtype, entropy, compiled, ctx.needs_input_grad[0],
-                ctx.needs_input_grad[1], bias_ is not None and ctx.needs_input_grad[2])
+                ctx.needs_input_grad[1], bias_ is not None and ctx.needs_input_grad[2], rounding)
             box["grads"] = [gh, gw.to(weight_.dtype) if gw is not None else None,
                             gb.to(bias_.dtype) if gb is not None else None]
             box["outputs"] = (logprobs, ent, stats)

@@ -296,7 +296,8 @@ class PolicyModel:
                             hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions), self.head.weight,
                             self.head.bias, targets,
                             temperature=config.temperature, chunk_rows=self._chunk_rows(),
-                            compute_dtype=self.compute_dtype, compiled=self.kernels_compiled)
+                            compute_dtype=self.compute_dtype, compiled=self.kernels_compiled,
+                            rounding=getattr(self, "weight_rounding", "nearest"))
                     else:
                         with self.accelerator.autocast():
                             logits = self.model(input_ids=input_ids, use_cache=False).logits

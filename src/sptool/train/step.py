@@ -179,6 +179,7 @@ class PolicyTrainer(PolicyModel):
         compile_kernels = True if config.compile_kernels is None else config.compile_kernels
         self.kernels_compiled = bool(compile_kernels) and cuda
         # the first micro-batch through compiled layers is tried once; a failure falls back to eager
+        self._route_weight_rounding(model, mixed)
         self.compiled_layers = _compile_decoder_layers(model, log=self.log) \
             if (cuda if config.compile is None else config.compile) else []
         self.compile_proven = not self.compiled_layers
@@ -194,8 +195,28 @@ class PolicyTrainer(PolicyModel):
         # (H200): the 151,936-row head's matmuls without tensor cores are the likely reason
         self.compute_dtype = None if config.fp32_head else \
             {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision)
+        # the LM head's rounding (it runs in compute_dtype; the body's linears were routed above)
+        self.weight_rounding = config.weight_rounding if self.compute_dtype is not None else "nearest"
         if config.fp32_head and self.output_layer is None:
             self.log("note: --fp32-head needs a plain linear LM head; this model's head runs in the autocast precision")
+
+    def _route_weight_rounding(self, model, mixed: str) -> None:
+        """Every linear layer of the body through ``config.weight_rounding`` (the head the chunked
+        path applies itself is left to it); a note when there is nothing to round."""
+        rounding = self.config.weight_rounding
+        if rounding == "nearest":
+            return
+        if mixed == "no":
+            self.log(f"note: --weight-rounding {rounding} rounds bf16/fp16 autocast forwards; this trainer "
+                     "runs in float32 (--mixed-precision no), so it changes nothing")
+            return
+        if self.is_lora:
+            self.log(f"note: --weight-rounding {rounding} is for full fine-tuning; the LoRA layers keep their own")
+            return
+        from sptool.train.rounding import use_weight_rounding
+
+        head = None if self.config.full_logits else self._bypassable_head(model)
+        use_weight_rounding(model, rounding, skip=[head] if head is not None else [])
 
     def encode_group(self, group: dict) -> list[TrainSequence]:
         """Token sequences of one group: rendered prompt, then each completion (+ EOS on stop);
@@ -374,7 +395,7 @@ class PolicyTrainer(PolicyModel):
         loss, _, entropy, stats = fused_policy_loss(
             hidden, self.head.weight, self.head.bias, targets, token_loss, temperature=config.temperature,
             chunk_rows=self._chunk_rows(), compute_dtype=self.compute_dtype, entropy=config.entropy,
-            compiled=self.kernels_compiled)
+            compiled=self.kernels_compiled, rounding=self.weight_rounding)
         if stats is None:  # no completion tokens in this micro-batch
             stats = torch.zeros(len(CHUNK_SUMS), dtype=torch.float64, device=device)
         return loss, self._micro_batch_totals(loss, stats, entropy, targets, batch, maxima[0])

@@ -1,0 +1,188 @@
+"""``train.weight_rounding`` (``sptool.train.rounding``, issue 32): how a bf16 forward rounds the
+float32 master weights. Autocast's nearest cast hides an RL-sized update (1e-5 on weights whose
+bf16 step is about 5e-4); the split and stochastic roundings let the forward see it. CPU bf16
+autocast: single layers, then the real trainer on a small random Llama whose weights sit on the
+bf16 grid, as the tiny model's do."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sptool.train.rounding import rounded_linear, stochastic_round, use_weight_rounding  # noqa: E402
+
+
+def cosine(a, b) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
+
+
+def on_grid(shape, generator):
+    """float32 weights that are bf16 values, |w| in [0.05, 0.2]: a 1e-5 step is far below half a bf16 step."""
+    magnitude = 0.05 + 0.15 * torch.rand(shape, generator=generator)
+    return (magnitude * torch.sign(torch.randn(shape, generator=generator))).to(torch.bfloat16).float()
+
+
+def bf16(fn):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return fn()
+
+
+def test_stochastic_rounding_lands_on_a_bf16_neighbour_and_is_unbiased():
+    generator = torch.Generator().manual_seed(0)
+    grid = on_grid((64,), generator)
+    assert torch.equal(stochastic_round(grid), grid)  # a bf16 value stays itself
+    target = grid + 1e-5 * torch.sign(torch.randn(64, generator=generator))
+    torch.manual_seed(0)
+    draws = torch.stack([stochastic_round(target) for _ in range(20000)])
+    assert torch.equal(draws, draws.to(torch.bfloat16).float())  # always a bf16 value
+    for column in range(64):
+        values = set(draws[:, column].tolist())
+        assert len(values) <= 2 and float(grid[column]) in values  # the value's two bf16 neighbours
+    # the mean is the float32 value: the rounding error's mean is within 4 s.e. of zero, and far
+    # below the nearest cast's error (the whole 1e-5)
+    error = (draws.double().mean(0) - target.double()).abs()
+    spread = draws.double().std(0) / 20000 ** 0.5
+    assert bool((error <= 5 * spread).all()), (error / spread).max()
+    assert float(error.max()) < 3e-6
+
+
+def test_nearest_hides_a_sub_step_update_and_split_and_stochastic_show_it():
+    generator = torch.Generator().manual_seed(1)
+    w0 = on_grid((32, 64), generator)
+    delta = 1e-5 * torch.sign(torch.randn(32, 64, generator=generator))
+    x = torch.randn(512, 64, generator=generator)
+    exact = x.to(torch.bfloat16).float() @ delta.t()  # what the update changes in the layer's output
+
+    def out(rounding, w):
+        return bf16(lambda: rounded_linear(x, w, None, rounding)).float()
+
+    assert torch.equal(out("nearest", w0 + delta), out("nearest", w0))  # the update is invisible
+    seen = out("split", w0 + delta) - out("split", w0)
+    assert bf16(lambda: rounded_linear(x, w0, None, "split")).dtype == torch.float32  # summed unrounded
+    assert cosine(seen, exact) > 0.9999 and float((seen - exact).norm() / exact.norm()) < 0.01
+    # stochastic: each forward is F.linear with a stochastically rounded (bf16) copy of the weight
+    torch.manual_seed(5)
+    got = out("stochastic", w0 + delta)
+    torch.manual_seed(5)
+    rounded = stochastic_round(w0 + delta)
+    assert torch.equal(got, bf16(lambda: torch.nn.functional.linear(x, rounded)).float())
+    # ... and in expectation the update is there (the mean weight of 2000 forwards)
+    mean_weight = sum(stochastic_round(w0 + delta) for _ in range(2000)) / 2000
+    assert cosine(mean_weight - w0, delta) > 0.9
+    # outside autocast every mode is F.linear on the float32 weight (the float32 sampler)
+    for rounding in ("split", "stochastic"):
+        assert torch.equal(rounded_linear(x, w0 + delta, None, rounding), torch.nn.functional.linear(x, w0 + delta))
+
+
+@pytest.mark.parametrize("rounding", ["split", "stochastic"])
+def test_the_gradients_are_autocast_linears(rounding):
+    """The roundings change what the forward sees, not the gradient's form: ∂L/∂w = gᵀx and ∂L/∂x = g·w
+    as autocast's bf16 linear computes them (to bf16 precision), with and without a bias."""
+    generator = torch.Generator().manual_seed(2)
+    w = on_grid((16, 24), generator) + 3e-6
+    b = torch.randn(16, generator=generator)
+    x = torch.randn(4, 5, 24, generator=generator)
+    probe = torch.randn(4, 5, 16, generator=generator)
+
+    def grads(fn):
+        wl, bl, xl = (t.clone().requires_grad_(True) for t in (w, b, x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(xl, wl, bl)
+        (y.float() * probe).sum().backward()
+        return wl.grad, bl.grad, xl.grad
+
+    torch.manual_seed(0)
+    ours = grads(lambda xl, wl, bl: rounded_linear(xl, wl, bl, rounding))
+    theirs = grads(lambda xl, wl, bl: torch.nn.functional.linear(xl, wl, bl))
+    for mine, reference in zip(ours, theirs):
+        assert mine.dtype == reference.dtype == torch.float32
+        assert float((mine - reference).norm() / reference.norm()) < 2e-2
+
+
+def test_layers_are_routed_and_the_head_left_to_the_trainer():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+    assert use_weight_rounding(model, "split", skip=[model[2]]) == 1
+    assert model[0].weight_rounding == "split" and "forward" not in vars(model[2])
+    x = torch.randn(2, 4)
+    assert bf16(lambda: model[0](x)).dtype == torch.float32
+    assert use_weight_rounding(model, "nearest") == 1  # back to autocast's cast, in place
+    assert bf16(lambda: model[0](x)).dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------ the trainer
+
+@pytest.fixture(scope="module")
+def grid_model_dir(tmp_path_factory, tiny_model_dir):
+    """A small random Llama (hidden 64, 2 layers) with the tiny model's tokenizer, its weights
+    rounded onto the bf16 grid (as the tiny model's checkpoint is)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         initializer_range=0.1)  # |w| about 0.08, as the tiny model's 0.108
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    path = tmp_path_factory.mktemp("grid-llama") / "model"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+GROUPS = [{"prompt": [{"role": "user", "content": q}], "completions": list(c), "rewards": list(r), "role": "solver"}
+          for q, c, r in [("What is 2 + 2?", ["4", "The answer is 5.", "4, surely"], [1.0, 0.0, 1.0]),
+                          ("Name a prime.", ["7", "9 is prime", "2"], [1.0, 0.0, 0.5])]]
+
+
+def change_after_one_update(model_dir, **options):
+    """The trainer's own log-probs of GROUPS' completions: after one lr-1e-5 update minus before."""
+    from accelerate.state import AcceleratorState
+
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    AcceleratorState._reset_state(True)  # one precision per process otherwise
+    trainer = PolicyTrainer(TrainConfig(model=model_dir, device="cpu", learning_rate=1e-5, compile=False,
+                                        compile_kernels=False, old_logprobs="trainer", **options))
+    sequences = [seq for group in GROUPS for seq in trainer.encode_group(group)]
+    before = torch.tensor([v for row in trainer.logprobs(sequences) for v in row])
+    metrics = trainer.update(GROUPS)
+    after = torch.tensor([v for row in trainer.logprobs(sequences) for v in row])
+    del trainer
+    AcceleratorState._reset_state(True)
+    return after - before, metrics
+
+
+@pytest.mark.slow
+def test_a_bf16_trainer_sees_its_own_update_only_with_a_rounding_that_keeps_it(grid_model_dir):
+    """After one update at lr 1e-5 the float32 trainer's log-probs move. A bf16 trainer with the
+    nearest cast sees little of that move (measured here: cosine 0.19 with it); with the split
+    rounding it sees it (0.92: the rest is bf16 activation rounding, which moves with the values),
+    and with the stochastic one too, through one noisy draw before and one after (0.92). Every first
+    update has ratio 1 (log π_old from the trainer itself)."""
+    reference, _ = change_after_one_update(grid_model_dir, mixed_precision="no")
+    nearest, first = change_after_one_update(grid_model_dir, mixed_precision="bf16")
+    split, first_split = change_after_one_update(grid_model_dir, mixed_precision="bf16", weight_rounding="split")
+    stochastic, _ = change_after_one_update(grid_model_dir, mixed_precision="bf16", weight_rounding="stochastic")
+    seen = {name: round(cosine(change, reference), 3) for name, change in
+            (("nearest", nearest), ("split", split), ("stochastic", stochastic))}
+    assert float(reference.norm()) > 0
+    assert seen["split"] > 0.85 and 0.8 < float(split.norm() / reference.norm()) < 1.25, seen
+    assert seen["nearest"] < seen["split"] - 0.3 and seen["nearest"] < seen["stochastic"] - 0.3, seen
+    for metrics in (first, first_split):
+        assert abs(metrics["ratio_max"] - 1) < 1e-6 and abs(metrics["ratio_min"] - 1) < 1e-6
+
+
+def test_weight_rounding_is_checked_before_any_work():
+    from sptool.core.records import UsageError
+    from sptool.train.step import TrainConfig
+
+    with pytest.raises(UsageError, match="--weight-rounding must be one of nearest, split, stochastic"):
+        TrainConfig(weight_rounding="round")
+    with pytest.raises(UsageError, match="stochastic is for bf16"):
+        TrainConfig(weight_rounding="stochastic", mixed_precision="fp16")
