@@ -202,6 +202,10 @@ def stage_precisions(config: dict) -> dict[str, str]:
     mixed = resolve_mixed_precision(None if train.get("mixed_precision") in (None, "auto") else
                                     train["mixed_precision"], cuda=cuda)
     trainer = "float32" if mixed == "no" else f"{mixed} autocast (float32 master weights, optimizer and reductions)"
+    rounding = train.get("weight_rounding") or "nearest"
+    rounded = f", weights rounded by {rounding} (train.weight_rounding)" if mixed != "no" and rounding != "nearest" \
+        else ""
+    trainer += rounded
     names = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "float32",
              "float32": "float32"}
     dtype = model.get("dtype") or ""
@@ -210,10 +214,11 @@ def stage_precisions(config: dict) -> dict[str, str]:
     elif model.get("backend", "hf") == "hf":
         chosen = names.get(dtype, names[DEFAULT_SHARED_SAMPLER_DTYPE])
         sampler = "float32 (the trainer's policy)" if chosen == "float32" else \
-            f"{chosen} autocast over the trainer's float32 policy"
+            f"{chosen} autocast over the trainer's float32 policy{rounded}"
     else:
         sampler = names.get(dtype, "bf16" if cuda else "float32") + f" ({model.get('backend')} backend's own copy)"
-    reference = trainer if float(train.get("beta", 0) or 0) > 0 else "none (beta = 0)"
+    # the frozen reference is never routed through the weight rounding
+    reference = trainer[:len(trainer) - len(rounded)] if float(train.get("beta", 0) or 0) > 0 else "none (beta = 0)"
     return {"sampler": sampler, "trainer": trainer, "reference": reference, "device": device}
 
 
