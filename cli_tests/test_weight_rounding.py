@@ -140,15 +140,16 @@ GROUPS = [{"prompt": [{"role": "user", "content": q}], "completions": list(c), "
                           ("Name a prime.", ["7", "9 is prime", "2"], [1.0, 0.0, 0.5])]]
 
 
-def change_after_one_update(model_dir, **options):
+def change_after_one_update(model_dir, device="cpu", log=None, **options):
     """The trainer's own log-probs of GROUPS' completions: after one lr-1e-5 update minus before."""
     from accelerate.state import AcceleratorState
 
     from sptool.train.step import PolicyTrainer, TrainConfig
 
     AcceleratorState._reset_state(True)  # one precision per process otherwise
-    trainer = PolicyTrainer(TrainConfig(model=model_dir, device="cpu", learning_rate=1e-5, compile=False,
-                                        compile_kernels=False, old_logprobs="trainer", **options))
+    options = {"compile": False, "compile_kernels": False, **options}
+    trainer = PolicyTrainer(TrainConfig(model=model_dir, device=device, learning_rate=1e-5, old_logprobs="trainer",
+                                        **options), log=log)
     sequences = [seq for group in GROUPS for seq in trainer.encode_group(group)]
     before = torch.tensor([v for row in trainer.logprobs(sequences) for v in row])
     metrics = trainer.update(GROUPS)
@@ -176,6 +177,24 @@ def test_a_bf16_trainer_sees_its_own_update_only_with_a_rounding_that_keeps_it(g
     assert seen["nearest"] < seen["split"] - 0.3 and seen["nearest"] < seen["stochastic"] - 0.3, seen
     for metrics in (first, first_split):
         assert abs(metrics["ratio_max"] - 1) < 1e-6 and abs(metrics["ratio_min"] - 1) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("rounding", ["split", "stochastic"])
+def test_the_compiled_bf16_trainer_on_a_gpu_keeps_the_rounding(grid_model_dir, rounding):
+    """CUDA, the trainer's defaults (compiled decoder layers and chunk kernels; the split sum through
+    one GEMM with a float32 output): no fallback to eager, and the update is seen as on CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    notes: list[str] = []
+    reference, _ = change_after_one_update(grid_model_dir, device="cuda", mixed_precision="no")
+    rounded, _ = change_after_one_update(grid_model_dir, device="cuda", log=notes.append, mixed_precision="bf16",
+                                         weight_rounding=rounding, compile=None, compile_kernels=None)
+    nearest, _ = change_after_one_update(grid_model_dir, device="cuda", mixed_precision="bf16")
+    assert not [note for note in notes if "eagerly" in note], notes
+    assert cosine(rounded, reference) > cosine(nearest, reference) + 0.3, (cosine(rounded, reference),
+                                                                          cosine(nearest, reference))
 
 
 def test_weight_rounding_is_checked_before_any_work():
