@@ -311,7 +311,11 @@ def measure_stages(model: str, args) -> list[dict]:
     from sptool.train.step import PolicyTrainer, TrainConfig
 
     cuda = str(args.device or "").startswith("cuda") or (args.device is None and torch.cuda.is_available())
-    trainer = PolicyTrainer(TrainConfig(model=model, device=args.device, max_completion_tokens=args.max_tokens))
+    # --sampler bf16-split: as a run with model.dtype = "bf16" and train.weight_rounding = "split"
+    # (a bf16 trainer whose linears the split rounding routes; the sampler under bf16 autocast)
+    precision = dict(mixed_precision="bf16", weight_rounding="split") if args.sampler == "bf16-split" else {}
+    trainer = PolicyTrainer(TrainConfig(model=model, device=args.device, max_completion_tokens=args.max_tokens,
+                                        **precision))
     rows = []
     for decoder in args.decoder:
         for attention in args.attention:
@@ -325,10 +329,13 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
     grouped: ``sptool.models.decode_attention``); the bare arm always with the model's own."""
     from sptool.models.hf import HFBackend
 
+    import torch
+
     live = trainer.accelerator.unwrap_model(trainer.model)
     backend = HFBackend.from_model(live, trainer.tokenizer, model_id=model, batch_size=args.batch[0],
                                    compile=not args.no_compile, decoder=decoder, decode_attention=attention,
-                                   log=lambda m: print("#", m, file=sys.stderr))
+                                   log=lambda m: print("#", m, file=sys.stderr),
+                                   autocast=torch.bfloat16 if args.sampler == "bf16-split" else None)
     weight_bytes = sum(p.numel() * p.element_size() for p in live.parameters())
     rows = []
     only = {name.strip() for name in (args.only or "").split(",") if name.strip()}
@@ -353,7 +360,7 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
         bare_s, bare_steps, bare_tokens = bare_replay(backend, calls)
         kv = backend.cache_bytes() / max(1, len(backend._caches)) if backend._caches else 0
         row = dict(stage=stage_name, recipe=recipe, shape=args.shape, decoder=decoder, attention=attention,
-                   decoding=backend.decoding,
+                   sampler=args.sampler, decoding=backend.decoding,
                    calls=len(calls), rows=max(len(c["prompts"]) * c["n"] for c in calls),
                    max_tokens=max(c["params"].max_new_tokens for c in calls), warmup_s=round(warm_s, 1),
                    steps_s=round(steps / seconds, 1), tok_s=round(tokens / seconds, 1),
@@ -365,7 +372,8 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
               f"steps/s: x{row['x_bare']}", file=sys.stderr, flush=True)
         if args.profile:
             row.update(profile_stage(build, backend, stage_name, f"{decoder}-{attention}", Path(args.profile), cuda))
-    rows.append(dict(loop_step_memory(trainer, backend, args, cuda), decoder=decoder, attention=attention))
+    rows.append(dict(loop_step_memory(trainer, backend, args, cuda), decoder=decoder, attention=attention,
+                     sampler=args.sampler))
     backend.close()
     if cuda:
         import torch
@@ -454,7 +462,7 @@ def loop_step_memory(trainer, backend, args, cuda: bool) -> dict:
     return row
 
 
-STAGE_HEADER = ["stage", "recipe", "shape", "decoder", "attention", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",
+STAGE_HEADER = ["stage", "recipe", "shape", "decoder", "attention", "sampler", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",
                 "tok_s", "bare_steps_s", "bare_tok_s", "x_bare", "floor_steps_s", "kv_floor_steps_s"]
 
 
@@ -532,6 +540,10 @@ def main() -> None:
                         help="--stages: the sptool arm's model.decode_attention, comma-separated: model (the "
                         "model's own SDPA), grouped (sptool.models.decode_attention: one decoding position "
                         "against the cache, read once)")
+    parser.add_argument("--sampler", default="fp32", choices=["fp32", "bf16-split"],
+                        help="--stages: the sptool arm's sampling precision: fp32 (the trainer's float32 policy, "
+                        "the default) or bf16-split (bf16 autocast with train.weight_rounding = split, which sees "
+                        "every update); the bare arm is always the float32 model's generate")
     parser.add_argument("--hbm", type=float, default=4.3e12, help="--stages: HBM bytes/s of the floor")
     parser.add_argument("--profile", default=None, metavar="DIR", help="--stages: each stage once more under "
                         "torch.profiler; ms per decoding step (wall and device) and the top ops in DIR/STAGE-DECODER.txt")
