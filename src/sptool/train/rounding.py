@@ -84,6 +84,27 @@ def low_precision_parts(weight, dtype, rounding: str = "nearest"):
 _OUT_DTYPE: dict = {}
 
 
+def has_out_dtype_mm(device, dtype) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` works for ``dtype`` operands on
+    ``device`` (CUDA, a recent torch), probed once against the float32 product. Called before any
+    compiled forward (:func:`use_weight_rounding`), so the probe is never traced."""
+    import torch
+
+    device = torch.device(device)
+    key = (device.type, dtype)
+    if key not in _OUT_DTYPE:
+        ok = False
+        if device.type == "cuda":
+            try:
+                x, y = torch.randn(16, 8, device=device).to(dtype), torch.randn(8, 4, device=device).to(dtype)
+                ok = bool(torch.allclose(torch.mm(x, y, out_dtype=torch.float32), x.float() @ y.float(),
+                                         atol=1e-3, rtol=1e-3))
+            except Exception:  # noqa: BLE001 - an older torch: no out_dtype
+                ok = False
+        _OUT_DTYPE[key] = ok
+    return _OUT_DTYPE[key]
+
+
 def mm_fp32(a, b):
     """``a @ b`` of two low-precision matrices, accumulated and returned in float32: one GEMM with
     ``out_dtype`` on CUDA where this torch has it, else the products of the low-precision values in
@@ -91,17 +112,8 @@ def mm_fp32(a, b):
     remainder added to a rounded output is rounded away again."""
     import torch
 
-    if a.device.type == "cuda":
-        key = (a.device, a.dtype)
-        if key not in _OUT_DTYPE:
-            try:
-                x, y = torch.randn(16, 8, device=a.device).to(a.dtype), torch.randn(8, 4, device=a.device).to(a.dtype)
-                _OUT_DTYPE[key] = bool(torch.allclose(torch.mm(x, y, out_dtype=torch.float32),
-                                                      x.float() @ y.float(), atol=1e-3, rtol=1e-3))
-            except Exception:  # noqa: BLE001 - an older torch: no out_dtype
-                _OUT_DTYPE[key] = False
-        if _OUT_DTYPE[key]:
-            return torch.mm(a, b, out_dtype=torch.float32)
+    if a.device.type == "cuda" and _OUT_DTYPE.get((a.device.type, a.dtype), False):
+        return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
 
@@ -168,17 +180,22 @@ def _rounded_forward(self, x):
     return rounded_linear(x, self.weight, self.bias, self.weight_rounding)
 
 
-def use_weight_rounding(model, rounding: str, skip=()) -> int:
+def use_weight_rounding(model, rounding: str, skip=(), device=None) -> int:
     """Route every ``nn.Linear`` of ``model`` but those in ``skip`` (the LM head the trainer applies
     itself, through :func:`low_precision_parts`) through :func:`rounded_linear` with ``rounding``;
     returns how many layers round so. ``nearest`` on a routed model sets them back to autocast's
-    cast (their forward is ``F.linear`` again in effect). A layer reads its mode at each call."""
+    cast (their forward is ``F.linear`` again in effect). A layer reads its mode at each call.
+    ``device``: where the model will run (default: where its parameters are now)."""
     import types
 
     import torch
 
-    if rounding == "split" and not _SPLIT:
-        _SPLIT.append(_split_linear_function())  # built here: torch.compile can't trace a class statement
+    if rounding == "split":
+        if not _SPLIT:
+            _SPLIT.append(_split_linear_function())  # built here: torch.compile can't trace a class statement
+        where = device if device is not None else next((p.device for p in model.parameters()), "cpu")
+        for dtype in (torch.bfloat16, torch.float16):  # probed here, not inside a traced forward
+            has_out_dtype_mm(where, dtype)
     count = 0
     for module in model.modules():
         # LoRA and quantised layers keep their own forward

@@ -216,7 +216,7 @@ class PolicyTrainer(PolicyModel):
         from sptool.train.rounding import use_weight_rounding
 
         head = None if self.config.full_logits else self._bypassable_head(model)
-        use_weight_rounding(model, rounding, skip=[head] if head is not None else [])
+        use_weight_rounding(model, rounding, skip=[head] if head is not None else [], device=self.device)
 
     def encode_group(self, group: dict) -> list[TrainSequence]:
         """Token sequences of one group: rendered prompt, then each completion (+ EOS on stop);
