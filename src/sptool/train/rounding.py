@@ -7,8 +7,8 @@ a bf16 rounding step at the tiny model's typical |w| of 0.1 (about 2.4e-4), so t
 same bf16 weight until some twenty updates have added up: the forward does not see the updates
 (``benchmarks/results/precision-h200/README.md``: after one update the bf16 forward's log-prob
 change has cosine 0.098 with the float32 one). A bf16 trainer's gradient is then taken at a policy
-that lags the one its sampler draws from, and that is the gap that grew from 0.026 to 0.22 nats a
-token in the H200 runs. Activations are rounded too, but an activation varies from token to token,
+that lags the one its sampler draws from: the likely source of the sampler–trainer gap that grew
+from 0.026 to 0.22 nats a token over the H200 runs of a bf16 trainer with a float32 sampler. Activations are rounded too, but an activation varies from token to token,
 so its rounding errors average out; a weight's rounding is the same for every token, every step.
 
 The modes (``WEIGHT_ROUNDINGS``):
@@ -42,8 +42,8 @@ from sptool.train.config import WEIGHT_ROUNDINGS  # noqa: F401  (the modes, chec
 def stochastic_round(weight, generator=None):
     """``weight`` (float32) rounded to a bf16 value stochastically, returned as float32 (exactly a
     bf16 value): the 16 low bits of the float32 pattern get uniform random bits added, then are
-    cleared. A value a fraction f of the way from one bf16 neighbour to the next comes out as the
-    upper one with probability f, so the expectation is ``weight`` itself."""
+    cleared. A value a fraction f of the way from its bf16 neighbour nearer zero to the one farther
+    from zero comes out as the farther one with probability f, so the expectation is ``weight``."""
     import torch
 
     bits = weight.contiguous().view(torch.int32)
