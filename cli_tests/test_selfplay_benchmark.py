@@ -56,6 +56,16 @@ def test_format_weight_reaches_every_arm_and_the_control_alike():
     assert result.returncode != 0 and "--format-weight: expected a number in [0, 1], got 2.0" in result.stderr
 
 
+def test_the_decoding_settings_reach_every_arm():
+    """``--decoder step --decode-attention grouped`` (issue 33's decoder) is every arm's, the start's too."""
+    settings = selfplay.Settings(device="cuda", lr=1e-5, decoder="step", decode_attention="grouped",
+                                 **selfplay.defaults("cuda"))
+    plans = {arm: selfplay.arm_plan(arm, settings, "START")[2]
+             for arm in ("rzero", "shuffled", "rquest", "rlvr", "svs", "wist", "wist-uniform")}
+    assert {(plan["model.decoder"], plan["model.decode_attention"]) for plan in plans.values()} == {("step", "grouped")}
+    assert selfplay.Settings(device="cuda", lr=1e-5, **selfplay.defaults("cuda")).decode_attention == "model"
+
+
 def test_rquests_validity_initialisation_is_one_digit_sums_and_flawed_ones(tmp_path):
     """Sums the start can solve (so that answering pays more than INVALID under R_init), one in
     four flawed, and no label of the held-out kind (two-digit sums) in a label-free arm."""
