@@ -58,9 +58,19 @@ def test_nearest_hides_a_sub_step_update_and_split_and_stochastic_show_it():
         return bf16(lambda: rounded_linear(x, w, None, rounding)).float()
 
     assert torch.equal(out("nearest", w0 + delta), out("nearest", w0))  # the update is invisible
-    seen = out("split", w0 + delta) - out("split", w0)
-    assert bf16(lambda: rounded_linear(x, w0, None, "split")).dtype == torch.float32  # summed unrounded
-    assert cosine(seen, exact) > 0.9999 and float((seen - exact).norm() / exact.norm()) < 0.01
+    # split: x·hiᵀ + x·loᵀ summed in float32 and rounded to bf16 once (autocast's output dtype)
+    w = w0 + delta
+    hi = w.to(torch.bfloat16)
+    lo = (w - hi.float()).to(torch.bfloat16)
+    xb = x.to(torch.bfloat16).float()
+    once = (xb @ hi.float().t() + xb @ lo.float().t()).to(torch.bfloat16)
+    assert bf16(lambda: rounded_linear(x, w, None, "split")).dtype == torch.bfloat16
+    assert torch.equal(out("split", w), once.float())
+    # once-rounded, the update moves the outputs that sit near a rounding boundary: about 5% of them
+    # here, so that their sum follows the exact change (measured: 786 of 16,384, sum 1.11 × exact)
+    seen = out("split", w) - out("split", w0)
+    assert int((seen != 0).sum()) > 200 and 0.7 < float(seen.sum() / exact.sum()) < 1.5
+    assert cosine(seen, exact) > 0.05
     # stochastic: each forward is F.linear with a stochastically rounded (bf16) copy of the weight
     torch.manual_seed(5)
     got = out("stochastic", w0 + delta)
@@ -105,9 +115,17 @@ def test_layers_are_routed_and_the_head_left_to_the_trainer():
     assert use_weight_rounding(model, "split", skip=[model[2]]) == 1
     assert model[0].weight_rounding == "split" and "forward" not in vars(model[2])
     x = torch.randn(2, 4)
-    assert bf16(lambda: model[0](x)).dtype == torch.float32
-    assert use_weight_rounding(model, "nearest") == 1  # back to autocast's cast, in place
-    assert bf16(lambda: model[0](x)).dtype == torch.bfloat16
+    calls: list[str] = []
+    real = rounded_linear.__globals__["rounded_linear"]
+    try:
+        rounded_linear.__globals__["rounded_linear"] = lambda *a: calls.append(a[-1]) or real(*a)
+        bf16(lambda: model(x))
+        assert calls == ["split"]  # the first layer only: the skipped head is the trainer's
+        assert use_weight_rounding(model, "nearest") == 1  # back to autocast's cast, in place
+        bf16(lambda: model(x))
+        assert calls == ["split", "nearest"]
+    finally:
+        rounded_linear.__globals__["rounded_linear"] = real
 
 
 # ------------------------------------------------------------------------------ the trainer
@@ -163,7 +181,7 @@ def change_after_one_update(model_dir, device="cpu", log=None, **options):
 def test_a_bf16_trainer_sees_its_own_update_only_with_a_rounding_that_keeps_it(grid_model_dir):
     """After one update at lr 1e-5 the float32 trainer's log-probs move. A bf16 trainer with the
     nearest cast sees little of that move (measured here: cosine 0.19 with it); with the split
-    rounding it sees it (0.92: the rest is bf16 activation rounding, which moves with the values),
+    rounding it sees it (0.89: the rest is bf16 activation rounding, which moves with the values),
     and with the stochastic one too, through one noisy draw before and one after (0.92). Every first
     update has ratio 1 (log π_old from the trainer itself)."""
     reference, _ = change_after_one_update(grid_model_dir, mixed_precision="no")
