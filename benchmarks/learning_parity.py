@@ -104,7 +104,7 @@ SPTOOL_ARMS = {
     "sptool-tf32": {"train.mixed_precision": "no", "model.dtype": "fp32", "train.tf32": True},
     # a bf16 trainer whose forward sees the float32 master weights (train.weight_rounding, issue 32):
     # split (hi + lo, one more matmul per linear) or stochastic (unbiased, no extra matmul); on the
-    # tiny model on CPU the bf16 forward's log-prob change after one update has cosine 0.993 (split)
+    # tiny model on CPU the bf16 forward's log-prob change after one update has cosine 0.966 (split)
     # and 0.980 (stochastic, 8 draws) with float32's, against 0.164 for autocast's nearest cast
     # (benchmarks/results/precision-cpu/weight-rounding-probe.json)
     "sptool-bf16-split-selfold": {"train.mixed_precision": "bf16", "model.dtype": "fp32",
