@@ -110,22 +110,20 @@ def test_the_gradients_are_autocast_linears(rounding):
         assert float((mine - reference).norm() / reference.norm()) < 2e-2
 
 
-def test_layers_are_routed_and_the_head_left_to_the_trainer():
+def test_layers_are_routed_and_the_head_left_to_the_trainer(monkeypatch):
+    from sptool.train import rounding
+
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
     assert use_weight_rounding(model, "split", skip=[model[2]]) == 1
     assert model[0].weight_rounding == "split" and "forward" not in vars(model[2])
     x = torch.randn(2, 4)
     calls: list[str] = []
-    real = rounded_linear.__globals__["rounded_linear"]
-    try:
-        rounded_linear.__globals__["rounded_linear"] = lambda *a: calls.append(a[-1]) or real(*a)
-        bf16(lambda: model(x))
-        assert calls == ["split"]  # the first layer only: the skipped head is the trainer's
-        assert use_weight_rounding(model, "nearest") == 1  # back to autocast's cast, in place
-        bf16(lambda: model(x))
-        assert calls == ["split", "nearest"]
-    finally:
-        rounded_linear.__globals__["rounded_linear"] = real
+    monkeypatch.setattr(rounding, "rounded_linear", lambda *a: calls.append(a[-1]) or rounded_linear(*a))
+    bf16(lambda: model(x))
+    assert calls == ["split"]  # the first layer only: the skipped head is the trainer's
+    assert use_weight_rounding(model, "nearest") == 1  # back to autocast's cast, in place
+    bf16(lambda: model(x))
+    assert calls == ["split", "nearest"]
 
 
 # ------------------------------------------------------------------------------ the trainer
