@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from sptool.models.decode_attention import (  # noqa: E402
-    NAME, attention_implementation, grouped_decode_attention, use_grouped_decode_attention)
+    NAME, attention_implementation, grouped_decode_attention)
 
 
 def sdpa(query, key, value, mask, scaling):
@@ -77,4 +77,3 @@ def test_a_small_llama_decodes_the_same_greedy_tokens():
     assert torch.equal(grouped.sequences, reference.sequences)
     for ours, theirs in zip(grouped.scores, reference.scores):
         assert torch.allclose(ours, theirs, atol=1e-4)
-    assert use_grouped_decode_attention(model) == "sdpa" and model.config._attn_implementation == NAME

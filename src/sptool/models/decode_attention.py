@@ -12,8 +12,8 @@ heads that share a KV head form a G-row query against that head's keys and value
     out    = softmax(scores) @ v[B, Hkv, S, D]                → [B, 1, Hkv·G, D]
 
 K and V are read once, never copied. Query lengths other than 1 (prefill, training) go to
-transformers' own SDPA function unchanged. ``use_grouped_decode_attention(model)`` registers the
-function (with SDPA's mask) under :data:`NAME` and switches a model to it;
+transformers' own SDPA function unchanged. :func:`register` registers the function (with SDPA's
+mask) under :data:`NAME`, and :func:`attention_implementation` switches a model to it inside a block;
 ``model.decode_attention = "grouped"`` switches the hf backend to it around each ``generate``
 call; ``benchmarks/generation.py --stages --attention model,grouped`` measures it against SDPA.
 """
@@ -62,13 +62,6 @@ def register() -> str:
     AttentionInterface.register(NAME, grouped_decode_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     return NAME
-
-
-def use_grouped_decode_attention(model) -> str:
-    """Switch ``model`` to the grouped decoding attention; returns the implementation it had."""
-    before = model.config._attn_implementation
-    model.set_attn_implementation(register())
-    return before
 
 
 @contextmanager
