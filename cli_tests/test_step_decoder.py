@@ -331,5 +331,7 @@ def test_compiled_step_decoder_on_gpu_follows_generate_and_weight_changes():
     same(after, tokens_of(grouped.generate(PROMPTS, 3, params)))
     sampled = fast.generate(PROMPTS, 3, SamplingParams(temperature=1.0, max_new_tokens=24, seed=3, logprobs=True))
     assert all(len(s.logprobs) == s.n_tokens for row in sampled for s in row)
-    assert fast.decoding == grouped.decoding == "step-compiled" and not [note for note in notes if "step decoder" in note]
+    # the one-line notes of a new shape's compile are expected; a fallback to generate is not
+    fallbacks = [note for note in notes if "can't run" in note or "eagerly" in note]
+    assert fast.decoding == grouped.decoding == "step-compiled" and not fallbacks, notes
     eager.close()
