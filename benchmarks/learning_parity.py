@@ -117,6 +117,13 @@ SPTOOL_ARMS = {
                           "train.weight_rounding": "split"},
     "sptool-fp16-selfold": {"train.mixed_precision": "fp16", "model.dtype": "fp16", "train.old_logprobs": "trainer"},
 }
+# the arms above were measured when a low-precision trainer took log π_old from the sampler and
+# rounded its weights to nearest unless told otherwise; "auto" now picks the trainer's and
+# stochastic rounding under bf16 (sptool.train.step.resolve_precision), so they say so explicitly
+for _name, _sets in SPTOOL_ARMS.items():
+    if _sets.get("train.mixed_precision") in ("bf16", "fp16"):
+        _sets.setdefault("train.old_logprobs", "sampler")
+        _sets.setdefault("train.weight_rounding", "nearest")
 #: the per-update numbers of the sptool arms (their run's metrics.jsonl), per step and in the report
 UPDATE_METRICS = ("ratio_mean", "ratio_std", "ratio_max", "ratio_min", "clip_fraction", "logprob_gap",
                   "logprob_gap_rms", "logprob_gap_max", "tis_weight_mean", "tis_capped_fraction")
@@ -703,13 +710,15 @@ def against_reference(curves: dict[str, dict[int, dict]], reference: str, steps:
     return table
 
 
-def report(out: Path, reference: str = "sptool") -> str:
+def report(out: Path, reference: str | None = None) -> str:
     """The table of every arm result in ``out``; writes ``parity.json`` and ``parity.txt``. With
     several seeds of an arm, also its mean and standard error over seeds, and every arm against
-    ``reference``."""
+    ``reference`` (None: ``sptool-fp32`` when ``out`` has it, else ``sptool``)."""
     results = load_results(out)
     if not results:
         raise SystemExit(f"{out}: no arm results (bare.json, trl.json, sptool.json, sptool.seed1.json ...)")
+    if reference is None:
+        reference = "sptool-fp32" if any(r["arm"] == "sptool-fp32" for r in results) else "sptool"
     eval_steps = sorted({e["step"] for r in results for e in r["evals"]})
     first = results[0]["settings"]
     seeds = sorted({r["settings"]["seed"] for r in results})
@@ -820,8 +829,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seeds", default=None, help="comma-separated: every arm once per seed (results "
                         "ARM.seedN.json); the report adds each arm's mean and standard error over its seeds "
                         "and every arm against --reference")
-    parser.add_argument("--reference", default="sptool", help="the arm the others are held against "
-                        "(mean difference and its standard error at every evaluation; default sptool)")
+    parser.add_argument("--reference", default=None, help="the arm the others are held against "
+                        "(mean difference and its standard error at every evaluation; default sptool-fp32 "
+                        "when it runs, the float32 line issue 32 holds the default to, else sptool)")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--heldout-limit", type=int, default=None, help="first N held-out problems (cpu 4, cuda all)")
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (cuda 128)")
@@ -896,7 +906,7 @@ def main(argv=None) -> int:
         seeds = [int(item) for item in args.seeds.split(",") if item.strip()] if args.seeds else []
     except ValueError:
         raise SystemExit(f"--seeds: comma-separated integers, not {args.seeds!r}") from None
-    if args.reference not in ARMS:
+    if args.reference is not None and args.reference not in ARMS:
         raise SystemExit(f"--reference: unknown arm {args.reference!r}; choose from {', '.join(ARMS)}")
     base = list(argv if argv is not None else sys.argv[1:])
     # each arm (and seed) in its own process: same start, no state shared between arms

@@ -95,6 +95,7 @@ class Settings:
     gen_batch: int = 1024  # sequences per generate call (the compiled decoder's caches grow with it)
     decoder: str = "generate"  # model.decoder of every arm (step: the step decoder, issue 33)
     decode_attention: str = "model"  # model.decode_attention of every arm (grouped: issue 33)
+    mixed_precision: str = "auto"  # train.mixed_precision of every arm and the start (runs 1-5: float32, "no")
     band: list | None = None  # the solver pool's p̂ band of the label-free arms (None: R-Quest's 0.3-0.8 on cuda)
     format_weight: float = 0.1  # every arm's credit for a readable \boxed{} answer (the start keeps 0.1)
     model: str = "tiny"
@@ -132,7 +133,7 @@ def common_sets(s: Settings) -> dict:
         # the labelled start's direction into the label-free arms, and the random-label control gained)
         "train.start_optimizer": "fresh",
         "model.device": s.device, "model.gen_batch_size": s.gen_batch if s.cuda else 16, "model.decoder": s.decoder,
-        "model.decode_attention": s.decode_attention,
+        "model.decode_attention": s.decode_attention, "train.mixed_precision": s.mixed_precision,
         "verify.workers": 2 if s.cuda else 1, "verify.require_boxed": True,
         "prompts.solve": s.prompt, "prompts.solve_prefix": "", "prompts.solve_stop": [],
         "eval.benchmarks": s.heldout, "eval.every": 1, "eval.samples": 0,
@@ -690,6 +691,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode-attention", default="model", choices=("model", "grouped"),
                         help="model.decode_attention of every arm (grouped: one decoding position against the "
                         "KV cache, read once)")
+    parser.add_argument("--mixed-precision", default="auto", choices=("auto", "no", "bf16"),
+                        help="train.mixed_precision of every arm and the start (auto: the tool's default, bf16 with "
+                        "stochastic weight rounding on CUDA; no: float32, as in runs 1-5)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--start", default=None, help="a start checkpoint (skips making one)")
     parser.add_argument("--parallel", type=int, default=None, help="arms at once (default: 4 on cuda, 1 on cpu; "
@@ -722,7 +726,7 @@ def main(argv=None) -> int:
     if not 0 <= args.format_weight <= 1:
         raise SystemExit(f"--format-weight: expected a number in [0, 1], got {args.format_weight}")
     s = Settings(device=device, lr=args.lr, model=args.model, gen_batch=args.gen_batch, band=band, decoder=args.decoder,
-                 decode_attention=args.decode_attention,
+                 decode_attention=args.decode_attention, mixed_precision=args.mixed_precision,
                  format_weight=args.format_weight,
                  **{**defaults(device), **given})
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"selfplay-{device.split(':')[0]}").resolve()

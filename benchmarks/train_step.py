@@ -123,7 +123,7 @@ PATHS = {
     "old": ("sptool, old (--full-logits --no-compile)", dict(full_logits=True, compile=False, compile_kernels=False)),
     "chunked": ("sptool, chunked log-probs, eager (--no-compile)", dict(compile=False, compile_kernels=False)),
     "kernels": ("sptool, chunked + compiled chunk kernels", dict(compile=False)),
-    "new": ("sptool, new default (+ compiled decoder layers)", dict()),
+    "new": ("sptool, default (CUDA: bf16, stochastic rounding, trainer log π_old; compiled layers)", dict()),
     "new-noent": ("sptool, new default, --no-entropy", dict(entropy=False)),
     "new-fp32": ("sptool, float32 (mixed_precision=no)", dict(mixed_precision="no")),
     "new-tf32": ("sptool, float32 with TF32 matmuls (tf32)", dict(mixed_precision="no", tf32=True)),
@@ -142,6 +142,12 @@ PATHS = {
     "new-bf16-sr-selfold": ("sptool, bf16, old_logprobs=trainer, weight_rounding=stochastic",
                             dict(mixed_precision="bf16", old_logprobs="trainer", weight_rounding="stochastic")),
 }
+# paths measured when a low-precision trainer defaulted to the sampler's log π_old and the nearest
+# cast keep those; "new" is the default (on CUDA: bf16, stochastic rounding, the trainer's log π_old)
+for _label, _options in PATHS.values():
+    if _options and _options.get("mixed_precision") in ("bf16", "fp16"):
+        _options.setdefault("old_logprobs", "sampler")
+        _options.setdefault("weight_rounding", "nearest")
 
 
 def reset_peak(cuda: bool) -> None:

@@ -47,17 +47,31 @@ def _batch(tokenizer):
     return rows
 
 
-def _logprobs(model, rows, autocast_dtype):
+def _logprobs(model, rows, autocast_dtype, rounding: str = "nearest", draws: int = 1):
+    """Log-probs of the batch's completion tokens under ``autocast_dtype`` (None: float32), the
+    weights rounded by ``rounding`` (``train.weight_rounding``); the mean of ``draws`` forwards
+    (a stochastic rounding differs from forward to forward)."""
     import torch
 
+    from sptool.train.rounding import use_weight_rounding
+
     context = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
-    values = []
-    with torch.no_grad(), context:
-        for prompt, ids in rows:
-            full = torch.tensor([prompt + ids])
-            logits = model(input_ids=full).logits[0, len(prompt) - 1:-1].float()
-            values.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1))
-    return torch.cat(values)
+    if rounding != "nearest":
+        use_weight_rounding(model, rounding)
+    try:
+        total = 0
+        for _ in range(draws):
+            values = []
+            with torch.no_grad(), context:
+                for prompt, ids in rows:
+                    full = torch.tensor([prompt + ids])
+                    logits = model(input_ids=full).logits[0, len(prompt) - 1:-1].float()
+                    values.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1))
+            total = total + torch.cat(values)
+    finally:
+        if rounding != "nearest":
+            use_weight_rounding(model, "nearest")
+    return total / draws
 
 
 def _gradient(model, rows, autocast_dtype):
@@ -87,19 +101,24 @@ def _dtype(name: str):
     return {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def _visibility(model, rows, reference, dtypes):
-    """Per sampler dtype: (cosine, relative size) of its log-prob change after one first Adam step at
-    lr 1e-5 (``lr · g / (|g| + eps)``, the float32 gradient), against the float32 policy's change."""
+def _visibility(model, rows, reference, dtypes, draws: int = 8):
+    """Per view (an autocast dtype, or ``(dtype, rounding)``): (cosine, relative size) of its
+    log-prob change after one first Adam step at lr 1e-5 (``lr · g / (|g| + eps)``, the float32
+    gradient), against the float32 policy's change."""
     import torch
 
-    before = {dtype: _logprobs(model, rows, dtype) for dtype in {None, *dtypes}}  # None: float32
+    def forward(view):
+        dtype, rounding = view if isinstance(view, tuple) else (view, "nearest")
+        return _logprobs(model, rows, dtype, rounding, draws if rounding == "stochastic" else 1)
+
+    before = {view: forward(view) for view in {None, *dtypes}}  # None: float32
     saved = {name: p.detach().clone() for name, p in model.named_parameters()}
     with torch.no_grad():
         for name, param in model.named_parameters():
             g = reference.get(name)
             if g is not None:
                 param -= 1e-5 * g / (g.abs() + 1e-8)
-    moved = {dtype: _logprobs(model, rows, dtype) - before[dtype] for dtype in before}
+    moved = {view: forward(view) - before[view] for view in before}
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(saved[name])
@@ -115,31 +134,33 @@ def test_the_cuda_default_precisions_see_an_update_and_keep_the_gradient(tiny_mo
 
     from sptool.models.hf import shared_sampler_autocast
     from sptool.models.tokenizer import load_tokenizer
-    from sptool.train.step import resolve_mixed_precision
+    from sptool.train.step import TrainConfig, resolve_precision
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     rows = _batch(tokenizer)
     sampler = shared_sampler_autocast(None, "cuda")             # what a CUDA run samples in by default
-    trainer = _dtype(resolve_mixed_precision(None, cuda=True))  # what a CUDA run trains in by default
+    default = resolve_precision(TrainConfig(), cuda=True)       # what a CUDA run trains in by default
+    trainer = _dtype(default.mixed_precision)
     assert torch.float16 not in (sampler, trainer), "fp16 autocast does not run on CPU: extend this test"
+    trainer_view = (trainer, default.weight_rounding)           # its forward rounds the weights so
 
     reference = _gradient(model, rows, None)
     chosen = _gradient(model, rows, trainer) if trainer is not None else reference
     flat_ref = torch.cat([g.reshape(-1) for g in reference.values()])
     gradient_cosine = _cosine(torch.cat([chosen[name].reshape(-1) for name in reference]), flat_ref)
-    seen = _visibility(model, rows, reference, [sampler, trainer, torch.bfloat16])
-    print(json.dumps({"sampler": str(sampler), "trainer": str(trainer), "gradient_cosine": gradient_cosine,
+    seen = _visibility(model, rows, reference, [sampler, trainer_view, torch.bfloat16])
+    print(json.dumps({"sampler": str(sampler), "trainer": str(trainer_view), "gradient_cosine": gradient_cosine,
                       "visibility": {str(k): v for k, v in seen.items()}}))
     cosine, size = seen[sampler]
     assert cosine >= 0.9 and 0.5 <= size <= 2.0, (
         f"the default sampler ({sampler}) does not see a first update as the float32 policy does: cosine "
         f"{cosine:.3f}, relative size {size:.3f} (a bf16 sampler rounds the update away)")
     assert gradient_cosine >= 0.95, f"the default trainer precision's gradient is off: cosine {gradient_cosine:.3f}"
-    cosine, size = seen[trainer]  # the trainer's forward computes at the weights its autocast sees
+    cosine, size = seen[trainer_view]  # the trainer's forward computes at the weights its autocast sees
     assert cosine >= 0.9 and 0.5 <= size <= 2.0, (
-        f"the default trainer precision ({trainer}) hides a first update from its own forward: cosine "
+        f"the default trainer precision ({trainer_view}) hides a first update from its own forward: cosine "
         f"{cosine:.3f}, relative size {size:.3f}")
     # the guard catches the old default: under bf16 autocast the same update is mostly invisible
     cosine16, size16 = seen[torch.bfloat16]
@@ -265,7 +286,7 @@ def test_the_first_update_from_a_rollout_has_ratio_one_and_the_gap_is_measured(t
     from sptool.models.hf import shared_sampler_autocast
     from sptool.models.tokenizer import load_tokenizer
     from sptool.train.config import TrainConfig
-    from sptool.train.step import resolve_mixed_precision
+    from sptool.train.step import resolve_precision
 
     tokenizer = load_tokenizer(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -276,12 +297,14 @@ def test_the_first_update_from_a_rollout_has_ratio_one_and_the_gap_is_measured(t
 
     # the CUDA defaults: the sampler's precision, the trainer's and where log π_old comes from
     sampler = shared_sampler_autocast(None, "cuda")
-    mixed = resolve_mixed_precision(None, cuda=True)
+    cuda_default = resolve_precision(TrainConfig(), cuda=True)
+    mixed = cuda_default.mixed_precision
     assert mixed != "fp16", "fp16 autocast does not run on CPU: extend this test"
     same = _first_update(model, tokenizer, float32, mixed_precision="no")  # float32 sampler and trainer
-    default = same if (sampler, mixed, TrainConfig().old_logprobs) == (None, "no", "sampler") else _first_update(
-        model, tokenizer, float32 if sampler is None else _sequences(tokenizer, model, sampler), mixed_precision=mixed)
-    print(json.dumps({"sampler": str(sampler), "trainer": mixed, "old_logprobs": TrainConfig().old_logprobs,
+    resolved = {k: getattr(cuda_default, k) for k in ("mixed_precision", "old_logprobs", "weight_rounding")}
+    default = same if (sampler, mixed, cuda_default.old_logprobs) == (None, "no", "sampler") else _first_update(
+        model, tokenizer, float32 if sampler is None else _sequences(tokenizer, model, sampler), **resolved)
+    print(json.dumps({"sampler": str(sampler), **resolved,
                       **{k: default[k] for k in ("ratio_mean", "ratio_max", "ratio_min", "logprob_gap")}}))
     assert ratio_is_one(default), f"the default precisions start a rollout off ratio 1: {default}"
     assert default["clip_fraction"] == 0.0
@@ -289,11 +312,13 @@ def test_the_first_update_from_a_rollout_has_ratio_one_and_the_gap_is_measured(t
     assert same["logprob_gap"] < 1e-4 and same["logprob_gap_max"] < 1e-3, same
     assert ratio_is_one(same, 1e-4) and same["ratio_std"] < 1e-4
 
-    mismatched = _first_update(model, tokenizer, float32, mixed_precision="bf16", old_logprobs="sampler")
+    mismatched = _first_update(model, tokenizer, float32, mixed_precision="bf16", old_logprobs="sampler",
+                               weight_rounding="nearest")
     assert not ratio_is_one(mismatched), f"a bf16 trainer against float32 log π_old should be off 1: {mismatched}"
     assert mismatched["logprob_gap"] > 1e-3 and mismatched["ratio_std"] > 1e-3
 
-    own = _first_update(model, tokenizer, float32, mixed_precision="bf16", old_logprobs="trainer")
+    own = _first_update(model, tokenizer, float32, mixed_precision="bf16", old_logprobs="trainer",
+                        weight_rounding="nearest")
     assert own["ratio_mean"] == own["ratio_max"] == own["ratio_min"] == 1.0 and own["clip_fraction"] == 0.0
     assert own["logprob_gap"] == pytest.approx(mismatched["logprob_gap"], rel=1e-3)  # the gap is still seen
 
@@ -336,7 +361,7 @@ def test_trainer_old_logprobs_keep_the_sampler_for_the_gap_and_tis(random_policy
     second = trainer.update([off])
     assert abs(second["ratio_mean"] - 1.0) > 1e-3
     with pytest.raises(Exception, match="--tis-cap"):
-        TrainConfig(model=random_policy, tis_cap=2.0)  # TIS corrects the trainer's log π_old: not the sampler's
+        TrainConfig(model=random_policy, tis_cap=2.0, old_logprobs="sampler")  # TIS corrects the trainer's log π_old
     with pytest.raises(Exception, match="--old-logprobs"):
         TrainConfig(model=random_policy, old_logprobs="both")
 
@@ -380,3 +405,34 @@ def test_report_shows_the_ratio_and_a_drifting_gap(tmp_path):
     assert "precision: solver sampler-trainer log-prob gap (mean, nats): 0.020 (iter 1) -> 0.050 (iter 4)" in text
     assert "precision: solver sampler-trainer log-prob gap (mean, nats): largest 0.400 (iter 3)" in text
     assert "precision.png" in {path.name for path in write_plots(tmp_path)}
+
+
+def test_auto_precision_is_bf16_stochastic_trainer_on_cuda_and_float32_on_cpu():
+    """The CUDA default is the path that learnt at the float32 rate on an H200 (bf16 autocast,
+    stochastic weight rounding, the trainer's own log π_old); CPU stays float32 with the sampler's
+    log-probs; an explicit setting is kept; config.toml's precision comment says the same."""
+    from sptool.run.driver import stage_precisions
+    from sptool.train.step import TrainConfig, resolve_precision
+
+    def resolved(cuda: bool, **options):
+        config = resolve_precision(TrainConfig(**options), cuda=cuda)
+        return config.mixed_precision, config.weight_rounding, config.old_logprobs
+
+    assert resolved(True) == ("bf16", "stochastic", "trainer")
+    assert resolved(False) == ("no", "nearest", "sampler")
+    assert resolved(False, tis_cap=2.0) == ("no", "nearest", "trainer")  # TIS needs the trainer's log π_old
+    assert resolved(True, mixed_precision="no") == ("no", "nearest", "sampler")
+    assert resolved(True, mixed_precision="fp16") == ("fp16", "nearest", "trainer")
+    assert resolved(True, weight_rounding="nearest", old_logprobs="sampler") == ("bf16", "nearest", "sampler")
+    assert resolved(False, mixed_precision="bf16", weight_rounding="split") == ("bf16", "split", "trainer")
+
+    found = stage_precisions({"model": {"device": "cuda", "backend": "hf"},
+                              "train": {"mixed_precision": "auto", "old_logprobs": "auto",
+                                        "weight_rounding": "auto", "beta": 0.04}})
+    assert found["trainer"] == ("bf16 autocast (float32 master weights, optimizer and reductions), weights "
+                                "rounded by stochastic (train.weight_rounding), log π_old from the trainer "
+                                "(train.old_logprobs)")
+    assert found["reference"] == "bf16 autocast (float32 master weights, optimizer and reductions)"
+    assert found["sampler"] == "float32 (the trainer's policy)"
+    on_cpu = stage_precisions({"model": {"device": "cpu"}, "train": {"weight_rounding": "stochastic"}})
+    assert on_cpu["trainer"] == "float32, log π_old from the sampler (train.old_logprobs)"

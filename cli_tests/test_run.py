@@ -626,7 +626,7 @@ def test_config_toml_records_each_stage_precision_and_reads_back(scripted_run):
     run_dir = scripted_run("svs")
     text = (run_dir / "config.toml").read_text()
     comment = text[text.index("# precision on this machine"):].splitlines()
-    assert comment[1:] == ["# sampler = none (the scripted backend replays its script)", "# trainer = float32",
+    assert comment[1:] == ["# sampler = none (the scripted backend replays its script)", "# trainer = float32, log π_old from the sampler (train.old_logprobs)",
                            "# reference = none (beta = 0)", "# device = cpu"]
     shown = run_sptool("recipes", "show", "svs", "--config", str(run_dir / "config.toml"), env=ENV)
     assert shown.returncode == 0, shown.stderr

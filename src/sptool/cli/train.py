@@ -77,12 +77,13 @@ def train_step(
     no_chat_template: bool = common.NoChatTemplateOpt,
     device: Optional[str] = typer.Option(None, "--device", envvar="SPTOOL_DEVICE", help="cpu or cuda "
                                          "(default: cuda when available; under accelerate launch, its choice)."),
-    mixed_precision: Optional[str] = typer.Option(None, "--mixed-precision", help="no, bf16, fp16 "
-                                                  "(default no: float32; bf16 hides RL-sized updates from the forward)."),
-    old_logprobs: str = typer.Option("sampler", "--old-logprobs", help="Where log π_old comes from: sampler "
+    mixed_precision: Optional[str] = typer.Option(None, "--mixed-precision", help="no (float32), bf16, fp16 "
+                                                  "(default: bf16 on CUDA, with stochastic weight rounding and the "
+                                                  "trainer's own log π_old; no on CPU)."),
+    old_logprobs: str = typer.Option("auto", "--old-logprobs", help="Where log π_old comes from: sampler "
                                      "(the groups' 'old_logprobs') or trainer (its own forward in its own precision: "
                                      "the first update has ratio 1; the sampler's log-probs feed the gap metric and "
-                                     "--tis-cap)."),
+                                     "--tis-cap); auto: trainer under bf16/fp16 or with --tis-cap, else sampler."),
     tis_cap: float = typer.Option(0.0, "--tis-cap", help="Truncated importance sampling: each token's policy-"
                                   "gradient term times min(exp(log π_trainer − log π_sampler), CAP); 0: off; needs "
                                   "--old-logprobs trainer."),
@@ -90,10 +91,11 @@ def train_step(
                                    "log-softmax in float32 (the body stays in the autocast precision)."),
     tf32: bool = typer.Option(False, "--tf32", help="On CUDA, float32 matmuls on TF32 tensor cores (float32 "
                               "weights and accumulation; products with a 10-bit mantissa)."),
-    weight_rounding: str = typer.Option("nearest", "--weight-rounding", help="How a bf16/fp16 forward rounds "
+    weight_rounding: str = typer.Option("auto", "--weight-rounding", help="How a bf16/fp16 forward rounds "
                                         "the float32 master weights: nearest (autocast's cast; an update below half "
                                         "a rounding step is invisible), split (hi + lo: one more matmul per linear, "
-                                        "every update seen), stochastic (bf16: unbiased, no extra matmul)."),
+                                        "every update seen), stochastic (bf16: unbiased, no extra matmul); auto: "
+                                        "stochastic under bf16, else nearest."),
     full_logits: bool = typer.Option(False, "--full-logits", help="Compute [tokens × vocabulary] logits "
                                      "(the previous, slower and larger path) instead of log-probs in token chunks."),
     no_entropy: bool = typer.Option(False, "--no-entropy", help="Skip the entropy metric (one pass less over "

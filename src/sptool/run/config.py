@@ -93,14 +93,16 @@ class TrainSection:
     max_tokens_per_micro_batch: int = setting(train_default("max_tokens_per_micro_batch"),
                                               "tokens per micro-batch (gradient accumulation)", minimum=1)
     mixed_precision: str = setting("auto", "autocast precision of the trainer's forwards (master weights "
-                                   "and optimizer stay float32): auto (no: float32; bf16 hides RL-sized "
-                                   "updates from the forward), no, bf16, fp16 (with a gradient scaler)",
+                                   "and optimizer stay float32): auto (bf16 on CUDA, with weight_rounding "
+                                   "stochastic and old_logprobs trainer: it learnt at the float32 rate on "
+                                   "an H200; no on CPU), no (float32), bf16, fp16 (with a gradient scaler)",
                                    choices=("auto", "no", "bf16", "fp16"))
     old_logprobs: str = setting(train_default("old_logprobs"), "where the update's log π_old comes from: "
                                 "sampler (the log-probs the generator recorded) or trainer (the trainer's "
                                 "own forward in its own precision: a rollout's first update has ratio 1; "
-                                "the sampler's log-probs then feed only the gap metric and tis_cap)",
-                                choices=("sampler", "trainer"))
+                                "the sampler's log-probs then feed only the gap metric and tis_cap); auto: "
+                                "trainer under bf16/fp16 or with tis_cap, else sampler",
+                                choices=("auto", "sampler", "trainer"))
     tis_cap: float = setting(train_default("tis_cap"), "truncated importance sampling: each token's "
                              "policy-gradient term times min(exp(log π_trainer − log π_sampler), tis_cap); "
                              "0: off; needs old_logprobs = \"trainer\"", minimum=0)
@@ -113,8 +115,9 @@ class TrainSection:
                                    "rounds the float32 master weights: nearest (autocast's cast: an RL-sized "
                                    "update below half a rounding step is invisible to it), split (hi + lo, one "
                                    "more matmul per linear: every update seen), stochastic (bf16: an unbiased "
-                                   "stochastically rounded copy each forward, no extra matmul)",
-                                   choices=("nearest", "split", "stochastic"))
+                                   "stochastically rounded copy each forward, no extra matmul); auto: "
+                                   "stochastic under bf16, else nearest",
+                                   choices=("auto", "nearest", "split", "stochastic"))
     compile: bool = setting(True, "torch.compile the decoder layers and log-prob kernels on CUDA "
                             "(false: eager; never on CPU)")
     start_optimizer: str = setting("fresh", "the optimizer of a role whose model is another run's "

@@ -194,18 +194,20 @@ def stage_precisions(config: dict) -> dict[str, str]:
     import torch
 
     from sptool.models.hf import DEFAULT_SHARED_SAMPLER_DTYPE
-    from sptool.train.step import resolve_mixed_precision
+    from sptool.train.step import TrainConfig, resolve_precision
 
     model, train = config["model"], config["train"]
     device = model.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
-    mixed = resolve_mixed_precision(None if train.get("mixed_precision") in (None, "auto") else
-                                    train["mixed_precision"], cuda=cuda)
-    trainer = "float32" if mixed == "no" else f"{mixed} autocast (float32 master weights, optimizer and reductions)"
-    rounding = train.get("weight_rounding") or "nearest"
+    resolved = resolve_precision(TrainConfig(
+        mixed_precision=None if train.get("mixed_precision") in (None, "auto") else train["mixed_precision"],
+        old_logprobs=train.get("old_logprobs") or "auto", weight_rounding=train.get("weight_rounding") or "auto",
+        tis_cap=float(train.get("tis_cap") or 0)), cuda=cuda)
+    mixed, rounding = resolved.mixed_precision, resolved.weight_rounding
+    body = "float32" if mixed == "no" else f"{mixed} autocast (float32 master weights, optimizer and reductions)"
     rounded = f", weights rounded by {rounding} (train.weight_rounding)" if mixed != "no" and rounding != "nearest" \
         else ""
-    trainer += rounded
+    trainer = body + rounded + f", log π_old from the {resolved.old_logprobs} (train.old_logprobs)"
     names = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "float32",
              "float32": "float32"}
     dtype = model.get("dtype") or ""
@@ -218,7 +220,7 @@ def stage_precisions(config: dict) -> dict[str, str]:
     else:
         sampler = names.get(dtype, "bf16" if cuda else "float32") + f" ({model.get('backend')} backend's own copy)"
     # the frozen reference is never routed through the weight rounding
-    reference = trainer[:len(trainer) - len(rounded)] if float(train.get("beta", 0) or 0) > 0 else "none (beta = 0)"
+    reference = body if float(train.get("beta", 0) or 0) > 0 else "none (beta = 0)"
     return {"sampler": sampler, "trainer": trainer, "reference": reference, "device": device}
 
 

@@ -185,7 +185,8 @@ def _backends() -> list[str]:
 CHOICES: dict[str, Any] = {
     "dtype": DTYPES,
     "mixed_precision": MIXED_PRECISIONS,
-    "old_logprobs": ("sampler", "trainer"),
+    "old_logprobs": ("auto", "sampler", "trainer"),
+    "weight_rounding": ("auto", "nearest", "split", "stochastic"),
     "wiki_api": ("search", "opensearch"),
     "loss": _objectives,
     "backend": _backends,

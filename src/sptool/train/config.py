@@ -14,6 +14,8 @@ from sptool.train.losses import OBJECTIVES
 #: where a rollout's log π_old comes from: the sampler's recorded log-probs, or the trainer's own forward
 OLD_LOGPROBS = ("sampler", "trainer")
 WEIGHT_ROUNDINGS = ("nearest", "split", "stochastic")  # sptool.train.rounding
+#: "auto" (the default of both): chosen with the precision (sptool.train.step.resolve_precision)
+AUTO = "auto"
 
 
 @dataclass
@@ -55,8 +57,9 @@ class TrainConfig:
     logit_chunk_elements: int | None = None  # rows × vocabulary per logit chunk; default by device
     # Where log π_old comes from (OLD_LOGPROBS): "sampler", the log-probs the generator recorded;
     # "trainer", the trainer's own forward in its own precision (the first update from a rollout
-    # has ratio exactly 1; the sampler's log-probs then feed only the gap metric and TIS).
-    old_logprobs: str = "sampler"
+    # has ratio exactly 1; the sampler's log-probs then feed only the gap metric and TIS); "auto":
+    # trainer under bf16/fp16 autocast or with tis_cap, else sampler (resolve_precision).
+    old_logprobs: str = AUTO
     # Truncated importance sampling (TIS): each token's policy-gradient term is multiplied by
     # min(exp(log π_old,trainer − log π_sampler), tis_cap); 0: off. Needs old_logprobs="trainer".
     tis_cap: float = 0.0
@@ -68,8 +71,9 @@ class TrainConfig:
     # How a bf16/fp16 autocast forward rounds the float32 master weights (sptool.train.rounding):
     # "nearest" (autocast's cast: an RL-sized update below half a rounding step is invisible),
     # "split" (hi + lo, one more matmul per linear: every update seen), "stochastic" (bf16: an
-    # unbiased stochastically rounded copy each forward, no extra matmul).
-    weight_rounding: str = "nearest"
+    # unbiased stochastically rounded copy each forward, no extra matmul); "auto": stochastic under
+    # bf16, else nearest (resolve_precision).
+    weight_rounding: str = AUTO
     # Restore the AdamW state saved with ``model`` (a checkpoint): a resumed or chained run goes on
     # exactly. False: fresh moments (a run that starts from another run's checkpoint; see
     # ``train.start_optimizer`` in ``sptool run``).
@@ -95,14 +99,14 @@ class TrainConfig:
             (self.max_completion_tokens is None or self.max_completion_tokens > 0,
              f"--max-completion-tokens must be > 0, got {self.max_completion_tokens}"),
             (self.weight_decay >= 0, "--weight-decay must be >= 0"),
-            (self.old_logprobs in OLD_LOGPROBS,
-             f"--old-logprobs must be one of {', '.join(OLD_LOGPROBS)}, got '{self.old_logprobs}'"),
+            (self.old_logprobs in (AUTO, *OLD_LOGPROBS),
+             f"--old-logprobs must be one of {', '.join((AUTO, *OLD_LOGPROBS))}, got '{self.old_logprobs}'"),
             (self.tis_cap >= 0, f"--tis-cap must be >= 0 (0: off), got {self.tis_cap}"),
-            (self.weight_rounding in WEIGHT_ROUNDINGS,
-             f"--weight-rounding must be one of {', '.join(WEIGHT_ROUNDINGS)}, got '{self.weight_rounding}'"),
+            (self.weight_rounding in (AUTO, *WEIGHT_ROUNDINGS),
+             f"--weight-rounding must be one of {', '.join((AUTO, *WEIGHT_ROUNDINGS))}, got '{self.weight_rounding}'"),
             (not (self.weight_rounding == "stochastic" and self.mixed_precision == "fp16"),
              "--weight-rounding stochastic is for bf16 (--mixed-precision bf16); fp16 can use split"),
-            (self.tis_cap == 0 or self.old_logprobs == "trainer",
+            (self.tis_cap == 0 or self.old_logprobs in (AUTO, "trainer"),
              "--tis-cap corrects the trainer's log π_old towards the sampler's: it needs --old-logprobs trainer"),
         ]
         for ok, message in checks:
