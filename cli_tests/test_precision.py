@@ -436,3 +436,23 @@ def test_auto_precision_is_bf16_stochastic_trainer_on_cuda_and_float32_on_cpu():
     assert found["sampler"] == "float32 (the trainer's policy)"
     on_cpu = stage_precisions({"model": {"device": "cpu"}, "train": {"weight_rounding": "stochastic"}})
     assert on_cpu["trainer"] == "float32, log π_old from the sampler (train.old_logprobs)"
+
+
+def test_auto_rounding_leaves_lora_layers_alone_without_a_note(random_policy):
+    """LoRA layers keep their own forward, so "auto" rounds nothing there and says nothing; an
+    explicit --weight-rounding stochastic still gets the note that it does not apply."""
+    from accelerate.state import AcceleratorState
+
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    for asked, noted in (("auto", False), ("stochastic", True)):
+        AcceleratorState._reset_state(True)
+        notes: list[str] = []
+        trainer = PolicyTrainer(TrainConfig(model=random_policy, device="cpu", lora_r=4, mixed_precision="bf16",
+                                            weight_rounding=asked, compile=False, compile_kernels=False),
+                                log=notes.append)
+        assert trainer.is_lora and trainer.config.old_logprobs == "trainer"
+        assert trainer.config.weight_rounding == ("nearest" if asked == "auto" else "stochastic")
+        assert any("--weight-rounding" in note for note in notes) == noted, notes
+        del trainer
+    AcceleratorState._reset_state(True)

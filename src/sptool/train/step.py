@@ -175,6 +175,7 @@ class PolicyTrainer(PolicyModel):
         cpu = (config.device or "").startswith("cpu") or not torch.cuda.is_available()
         if (config.device or "").startswith("cuda") and not torch.cuda.is_available():
             raise RuntimeFailure(f"--device {config.device} asked for, but torch sees no CUDA GPU")
+        rounding_asked = config.weight_rounding
         self.config = config = resolve_precision(config, cuda=not cpu)
         mixed = config.mixed_precision
         if config.tf32 and not cpu:
@@ -196,6 +197,10 @@ class PolicyTrainer(PolicyModel):
             self.base_model = getattr(getattr(model, "config", None), "_name_or_path", None) or "<in-memory>"
         self.tokenizer = tokenizer
         self.is_lora = hasattr(model, "peft_config")
+        if self.is_lora and rounding_asked == "auto":  # LoRA's layers keep their own forward: nothing to round
+            import dataclasses
+
+            self.config = config = dataclasses.replace(config, weight_rounding="nearest")
         self.pad_id = self._pad_id(model)
         self.ref_model = self._load_reference(model) if config.beta > 0 and not self.is_lora else None
         params = [p for p in model.parameters() if p.requires_grad]
