@@ -35,7 +35,7 @@ for step in "$@"; do
     eval-after) ck=$(ls -d /tmp/svs-gpu/ckpt/*/step-* | sort -V | tail -1); echo "checkpoint $ck"; timeout 200 python3 -m sptool.cli.main eval -m "$ck" -k 4 --pass-at 1,4 --max-tokens 192 --device cuda --workers 8 fixtures/bench/addition_heldout.jsonl ;;
     parity-bare|parity-trl|parity-sptool) mkdir -p /tmp/parity $OUT/parity; PYTHONUNBUFFERED=1 timeout ${RUN_TIMEOUT:-540} python3 benchmarks/learning_parity.py --device cuda --steps ${PARITY_STEPS:-30} --arms ${step#parity-} --out /tmp/parity; cp /tmp/parity/*.json /tmp/parity/*.txt $OUT/parity/ 2>/dev/null ;;
     parity-precision) mkdir -p /tmp/parity $OUT/parity; PYTHONUNBUFFERED=1 timeout ${RUN_TIMEOUT:-560} python3 benchmarks/learning_parity.py --device cuda --steps ${PARITY_STEPS:-30} --micro-batch 64 --parallel ${PARITY_PARALLEL:-4} --arms ${PARITY_ARMS:-sptool,sptool-fp32,sptool-bf16-sr-selfold} ${PARITY_SEEDS:+--seeds $PARITY_SEEDS} --out /tmp/parity; cp /tmp/parity/*.json /tmp/parity/*.txt $OUT/parity/ 2>/dev/null ;;
-    train-precision) timeout ${RUN_TIMEOUT:-560} python3 benchmarks/train_step.py --device cuda --shape 0.5b --paths ${TRAIN_PATHS:-bare,new,new-tf32,new-bf16-selfold,new-bf16-split-selfold,new-bf16-sr-selfold,new-fp16-selfold} ;;
+    train-precision) timeout ${RUN_TIMEOUT:-560} python3 benchmarks/train_step.py --device cuda --shape 0.5b --paths ${TRAIN_PATHS:-bare,new,new-noent,new-fp32,new-bf16-selfold} ${PROFILE:+--profile $OUT/train-profile} ;;
     parity-report) python3 benchmarks/learning_parity.py --report /tmp/parity; cp /tmp/parity/parity.* $OUT/ 2>/dev/null ;;
     gpu-tests) timeout 300 python3 -m pytest -q -m gpu cli_tests -p no:cacheprovider ;;
     *) bash -c "$step" ;;

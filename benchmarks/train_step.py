@@ -43,6 +43,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 SHAPES = {
     # name: (hidden, intermediate, layers, heads, kv_heads, vocab, family)
@@ -203,6 +204,31 @@ def run_shape(args, shape: str, paths: list[str]) -> None:
     print(header)
     print("|" + "---|" * (header.count("|") - 1), flush=True)
 
+    def profiled(name: str, step) -> None:
+        """One more (warm) step under ``torch.profiler``: ``--profile DIR/SHAPE-PATH.txt``, the ops by
+        self device time on CUDA (self CPU time otherwise), and the device's busy share of the step:
+        where the step's time goes, the bare step's beside sptool's."""
+        from torch.profiler import ProfilerActivity, profile
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from generation import device_busy_us
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        started = time.perf_counter()
+        with profile(activities=activities) as prof:
+            step()
+            sync(args.device)
+        wall = time.perf_counter() - started
+        events = prof.key_averages()
+        busy = device_busy_us(events) / 1e6 if cuda else None
+        out = Path(args.profile)
+        out.mkdir(parents=True, exist_ok=True)
+        table = events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=40)
+        head = f"{shape} {name}: one step in {wall:.3f} s under the profiler" + \
+            (f", the device busy {busy:.3f} s of it" if busy is not None else "")
+        (out / f"{shape}-{name}.txt").write_text(head + "\n\n" + table + "\n", encoding="utf-8")
+        print(f"# {head} -> {out / (shape + '-' + name + '.txt')}", file=sys.stderr, flush=True)
+
     def timed(step) -> tuple[float, float | None]:
         step()  # warm-up (allocations, kernels, compilation)
         sync(args.device)
@@ -227,6 +253,9 @@ def run_shape(args, shape: str, paths: list[str]) -> None:
                 bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6, weight_decay=0.0)
                 seconds, peak = timed(lambda: bare_step(bare_model, bare_optimizer, sequences, plan, args.device,
                                                         autocast_dtype))
+                if args.profile:
+                    profiled(name, lambda: bare_step(bare_model, bare_optimizer, sequences, plan, args.device,
+                                                     autocast_dtype))
                 del bare_model, bare_optimizer
             else:
                 if args.lora_r:
@@ -243,6 +272,8 @@ def run_shape(args, shape: str, paths: list[str]) -> None:
                                         model=copy_,
                                         log=lambda message: print(message, file=sys.stderr, flush=True))
                 seconds, peak = timed(lambda: trainer.update_sequences(sequences))
+                if args.profile:
+                    profiled(name, lambda: trainer.update_sequences(sequences))
                 del trainer
         except Exception as exc:  # noqa: BLE001 - one path failing must not hide the others
             print(f"| {label} | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]} |", flush=True)
@@ -273,6 +304,8 @@ def main() -> None:
     parser.add_argument("--completion-len", type=int, default=None)
     parser.add_argument("--max-tokens-per-micro-batch", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", default=None, metavar="DIR", help="each path once more under torch.profiler "
+                        "(after its timed steps): the top ops in DIR/SHAPE-PATH.txt")
     parser.add_argument("--lora-r", type=int, default=0, help="sptool paths train a LoRA adapter of this rank "
                         "(the bare path stays full fine-tuning)")
     parser.add_argument("--peak-tflops", type=float, default=790.0)
