@@ -38,7 +38,7 @@ checkpoint, as a check that the two graders agree.
 3. **Per round**, from each run directory: held-out greedy (and pass@k where sampled), the solver
    pool's size and its pseudo-label accuracy (a sum's truth is computable from the question), the
    questioner's well-formed rate (a proposal parsed into a question), its *valid* rate (a
-   well-formed ``A + B`` question), R-Quest's validity-gate and novelty-gate pass rates, and the
+   well-formed ``A + B`` question), its *well-posed* rate (``What is EXPR?`` with closed arithmetic: one answer), R-Quest's validity-gate and novelty-gate pass rates, and the
    policy entropy and reward of the solver's updates; for WIST, per leaf: its questions, the
    solver's mean agreement p̂ with the challenger, and the leaf's posterior mean.
 
@@ -229,6 +229,43 @@ def sum_truth(question: str) -> int | None:
     return int(match.group(1)) + int(match.group(2)) if match else None
 
 
+ARITHMETIC = re.compile(r"^\s*What is ([-+*/^().\d\s]+)\?\s*$")
+
+
+def arithmetic_truth(question: str) -> float | None:
+    """The value of ``What is EXPR?`` when EXPR is closed arithmetic on numbers (+ − × / ^, brackets;
+    ``^`` as a power with an exponent of at most 10): the question is well posed, it has one answer,
+    which is what R-Quest's valid-question rate asks of a proposal (the paper's judge reads each
+    question for a flaw). None for anything else: a variable, a blank, a division by zero, words."""
+    import ast
+    import operator
+
+    match = ARITHMETIC.match(question or "")
+    if not match or not re.search(r"\d", match.group(1)):
+        return None
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.Pow: operator.pow}
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            inner = value(node.operand)
+            return -inner if isinstance(node.op, ast.USub) else inner
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 10:
+                raise ValueError("exponent too large")
+            return ops[type(node.op)](left, right)
+        raise ValueError("not arithmetic")
+
+    try:
+        result = value(ast.parse(match.group(1).replace("^", "**"), mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, TypeError):
+        return None
+    return float(result) if isinstance(result, (int, float)) and math.isfinite(result) else None
+
+
 def label_is_right(question: str, label) -> bool | None:
     truth = sum_truth(question)
     if truth is None:
@@ -260,7 +297,7 @@ def round_stats(run_dir: Path, iteration: int) -> dict:
         stats["pool"] = len(pool)
         stats["pseudo_label_accuracy"] = share(sum(known), len(known))
         stats["label_source"] = pool[0].get("label_source") if pool else None
-    proposals, well_formed, sums = 0, 0, 0
+    proposals, well_formed, sums, well_posed = 0, 0, 0, 0
     for path in step_files(run_dir, iteration, "challenge"):
         proposals += len(read_jsonl(path))
         rejects = path.with_name(path.name.replace(".jsonl", ".rejects.jsonl"))
@@ -269,9 +306,10 @@ def round_stats(run_dir: Path, iteration: int) -> dict:
             if record.get("valid", True) and record.get("question"):
                 well_formed += 1
                 sums += sum_truth(record["question"]) is not None
+                well_posed += arithmetic_truth(record["question"]) is not None
     if proposals:
         stats.update(proposals=proposals, well_formed_rate=share(well_formed, proposals),
-                     valid_rate=share(sums, proposals))
+                     valid_rate=share(sums, proposals), well_posed_rate=share(well_posed, proposals))
     gate_in = sum(len(read_jsonl(p)) for p in step_files(run_dir, iteration, "verify-validity"))
     if gate_in:
         from sptool.recipes.rzero import passes_the_validity_gate
@@ -586,13 +624,15 @@ def report(out: Path) -> str:
     round_rows = [r for r in results if r.get("rounds") and r["arm"] in LABEL_FREE]
     if round_rows:
         lines += ["", "## Per round: the solver's pool and the questioner", "",
-                  "| arm | seed | round | pool | pseudo-label accuracy | well-formed | valid (A + B) | validity gate | novel |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| arm | seed | round | pool | pseudo-label accuracy | well-formed | valid (A + B) | well-posed "
+                  "arithmetic | validity gate | novel |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in round_rows:
             for i, st in sorted(((i, st) for i, st in r["rounds"].items() if st), key=lambda kv: int(kv[0])):
                 lines.append(f"| {r['arm']} | {r['seed']} | {i} | {st.get('pool', '-')} | "
                              f"{fmt(st.get('pseudo_label_accuracy'))} | {fmt(st.get('well_formed_rate'))} | "
-                             f"{fmt(st.get('valid_rate'))} | {fmt(st.get('validity_gate_rate'))} | "
+                             f"{fmt(st.get('valid_rate'))} | {fmt(st.get('well_posed_rate'))} | "
+                             f"{fmt(st.get('validity_gate_rate'))} | "
                              f"{fmt(st.get('novel_rate'))} |")
     wist_rows = [r for r in results if r["arm"] in ("wist", "wist-uniform") and r.get("rounds")]
     if wist_rows:
@@ -638,11 +678,12 @@ def report(out: Path) -> str:
     rz = {r["seed"]: r for r in results if r["arm"] == "rzero"}
     rq = {r["seed"]: r for r in results if r["arm"] == "rquest"}
     for seed in sorted(set(rz) & set(rq)):
-        pairs = [(i, rq[seed]["rounds"][i].get("valid_rate"), rz[seed]["rounds"].get(i, {}).get("valid_rate"))
-                 for i in rq[seed]["rounds"]]
-        ok = all(a is not None and b is not None and a >= b for _, a, b in pairs)
-        lines.append(f"- valid rate, R-Quest ≥ R-Zero in every round (seed {seed}): {'met' if ok else 'not met'} "
-                     + ", ".join(f"round {i}: {fmt(a)} vs {fmt(b)}" for i, a, b in pairs))
+        for key, name in (("valid_rate", "valid (A + B) rate"), ("well_posed_rate", "well-posed rate")):
+            pairs = [(i, rq[seed]["rounds"][i].get(key), rz[seed]["rounds"].get(i, {}).get(key))
+                     for i in rq[seed]["rounds"]]
+            ok = all(a is not None and b is not None and a >= b for _, a, b in pairs)
+            lines.append(f"- {name}, R-Quest ≥ R-Zero in every round (seed {seed}): {'met' if ok else 'not met'} "
+                         + ", ".join(f"round {i}: {fmt(a)} vs {fmt(b)}" for i, a, b in pairs))
     for seed in sorted({r["seed"] for r in wist_rows}):
         pair = {r["arm"]: r for r in wist_rows if r["seed"] == seed}
         if set(pair) != {"wist", "wist-uniform"}:

@@ -125,6 +125,7 @@ def test_the_report_reads_a_cut_short_arm_from_its_run_directory(tmp_path):
     round_1 = summary["arms"][0]["rounds"]["1"]
     assert round_1["pool"] == 4 and round_1["pseudo_label_accuracy"] == pytest.approx(2 / 3)
     assert round_1["proposals"] == 4 and round_1["well_formed_rate"] == 0.5 and round_1["valid_rate"] == 0.25
+    assert round_1["well_posed_rate"] == 0.25  # "Name a colour?" is well formed, not arithmetic
     assert round_1["novel_rate"] == pytest.approx(1 / 3)
 
 
@@ -219,3 +220,15 @@ def test_selfplay_cpu_smoke_makes_a_start_and_runs_a_label_free_round_from_it(tm
     assert (out / "heldout" / "addition_heldout_300.jsonl").read_text().count("\n") == 4
     assert "| rzero | 1 |" in result.stdout and "## Targets" in result.stdout
     assert "--recipe rzero" in (out / "runs" / "rzero-s1.command.txt").read_text()
+
+
+def test_a_well_posed_question_is_closed_arithmetic_on_numbers():
+    """R-Quest's valid rate asks whether a question has one answer, not whether it is a sum: the
+    questioner's "What is 97 - 10?" is valid; "What is 32 + 42 (10x-32)?" and "What is 2 + ?" are not."""
+    truth = selfplay.arithmetic_truth
+    assert truth("What is 47 + 38?") == 85 and truth("What is 97 - 10?") == 87
+    assert truth("What is 9^3 - 1^2?") == 728 and truth("What is (3 + 4) * 2?") == 14
+    assert truth("What is 7 / 2?") == 3.5 and truth("What is -5 + 2?") == -3
+    for flawed in ("What is 32 + 42 (10x-32)?", "What is 2 + ?", "What is x + 9?", "What is 1 / 0?",
+                   "What is 10^1000?", "What is ?", "What is 4 + 4", "Name a colour?", None):
+        assert truth(flawed) is None, flawed
