@@ -228,6 +228,24 @@ def test_nothing_mode_with_topic_seeds():
     assert out[2]["topic"] == "graph colouring" and out[0]["group_id"] != out[2]["group_id"]
 
 
+def test_nothing_mode_fills_a_call_with_whole_groups():
+    """per_call: 10 problems in groups of 4 (4, 4, 2) take two backend calls, not three, and keep
+    the groups of one-group calls (ids, sizes, order)."""
+    def responder(prompt, i):
+        return f"<question>What is {i} + 1?</question> \\boxed{{{i + 1}}}"
+
+    one = ScriptedBackend(responder=responder)
+    per_group = list(QuestionerStage(one, candidates=10, batch_size=4).run(iter(())))
+    batched = ScriptedBackend(responder=responder)
+    filled = list(QuestionerStage(batched, candidates=10, batch_size=4, per_call=8).run(iter(())))
+    assert len(one.calls) == 3 and len(batched.calls) == 2
+    assert [len(call) for call in batched.calls] == [2, 1]        # two copies of the prompt, then one
+    assert len(filled) == len(per_group) == 10
+    assert [r["group_id"] for r in filled] == [r["group_id"] for r in per_group]
+    assert [len({r["group_id"] for r in filled[a:b]}) for a, b in ((0, 4), (4, 8), (8, 10))] == [1, 1, 1]
+    assert all(r["valid"] for r in filled)
+
+
 def test_nothing_mode_does_not_read_stdin(sptool, tmp_path):
     script = write_jsonl(tmp_path / "s.jsonl", ["<question>What is 3 cubed plus 1?</question> \\boxed{28}"])
     # stdin is a stream that never ends: the command must not wait for it

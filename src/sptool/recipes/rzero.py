@@ -224,6 +224,7 @@ class RZero(Recipe):
                                     candidates=questions,
                                     params=self.session.params(ctx.seed, logprobs=trained),
                                     batch_size=self.c.questioner_group,
+                                    per_call=self.session.settings.model.gen_batch_size,
                                     prompt=self.session.prompt("questioner"))
             return ctx.run_stage(stage, [])
         return challenge
