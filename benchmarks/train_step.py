@@ -121,6 +121,7 @@ def flops_per_token(model, config, seq_len: int) -> float:
 
 PATHS = {
     "bare": ("bare torch fwd/bwd/AdamW", None),
+    "bare-fused": ("bare torch fwd/bwd/AdamW(fused=True)", None),
     "old": ("sptool, old (--full-logits --no-compile)", dict(full_logits=True, compile=False, compile_kernels=False)),
     "chunked": ("sptool, chunked log-probs, eager (--no-compile)", dict(compile=False, compile_kernels=False)),
     "kernels": ("sptool, chunked + compiled chunk kernels", dict(compile=False)),
@@ -250,7 +251,8 @@ def run_shape(args, shape: str, paths: list[str]) -> None:
             if options is None:
                 bare_model = copy_.to(args.device)
                 bare_model.train()
-                bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6, weight_decay=0.0)
+                bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6, weight_decay=0.0,
+                                                   **({"fused": True} if name == "bare-fused" else {}))
                 seconds, peak = timed(lambda: bare_step(bare_model, bare_optimizer, sequences, plan, args.device,
                                                         autocast_dtype))
                 if args.profile:

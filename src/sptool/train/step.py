@@ -206,8 +206,12 @@ class PolicyTrainer(PolicyModel):
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise RuntimeFailure("the model has no trainable parameters")
+        # CUDA: the fused AdamW kernel (one pass over parameters, gradients and moments; the same
+        # update as the multi-tensor one, and the same state dict)
+        fused = self.device.type == "cuda" and all(p.is_floating_point() for p in params)
         optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                                      eps=config.adam_epsilon, weight_decay=config.weight_decay)
+                                      eps=config.adam_epsilon, weight_decay=config.weight_decay,
+                                      **({"fused": True} if fused else {}))
         self._restore_optimizer(optimizer, len(params))
         self.params = params
         self.warned_normaliser = False
