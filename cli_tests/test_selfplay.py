@@ -108,7 +108,7 @@ def test_recipes_show_explain_cites_the_paper_scale_defaults(cli):
     # the recipe file says where the values of shared sections come from (recipes show --source)
     assert "8,192" in cli(["recipes", "show", "svs", "--source"]).stdout
     tiny = sections(cli(["recipes", "show", "rquest", "--tiny"]).stdout)["rquest"]
-    assert tiny["solver_questions"] == "solver_questions = 4" and tiny["init_steps"] == "init_steps = 1"
+    assert tiny["solver_questions"] == "solver_questions = 8" and tiny["init_steps"] == "init_steps = 1"
 
 
 # ------------------------------------------------------------------------------ behaviour policy
@@ -189,7 +189,7 @@ def test_rquest_validity_init_fresh_rollouts_and_replay(tmp_path, random_policy)
     run_dir = tmp_path / "rquest"
     result = run_sptool(*scripted_args("rquest", run_dir, random_policy), "--set", "init_steps=2",
                         "--set", "solver_questions=15", "--set", "solver_batch=10", "--set", "solver_steps=2",
-                        env=ENV)
+                        "--set", "solver_rollouts=4", env=ENV)
     assert result.returncode == 0, result.stderr
     init = run_dir / "iter-0000"
     assert sorted(p.name for p in init.glob("*.jsonl")) == [
