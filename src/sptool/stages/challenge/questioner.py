@@ -86,8 +86,8 @@ class QuestionerStage(_GeneratingStage):
                     chunk += 1
 
     def _generate_groups(self, prompt, sizes: list[int]) -> list[list]:
-        """One backend call for the groups ``sizes`` (their samples, in order); the answer phase of
-        every group's stopped replies in a second call."""
+        """The samples of the groups ``sizes``, in order: one backend call (a last, smaller group
+        takes a second), then one call for the answer phase of every stopped reply."""
         if len(set(sizes)) == 1:
             groups = self._generate([prompt] * len(sizes), sizes[0])
         else:  # a last, smaller group: its own call
