@@ -269,8 +269,8 @@ def test_solve_deadline_cuts_generation_writes_what_is_solved_and_exits_1(tmp_pa
 
 
 SLOW_SAMPLE = "\\boxed{" + "1+" * 20000 + "1}"          # math-verify parses this for seconds
-# a sum with a variable still goes to math-verify (about 2.5 s a sample here); a closed sum such as
-# SLOW_SAMPLE is now graded by its value at once (40 of them in under 3 s)
+# a sum with a variable still goes to math-verify's parse (about 2.5 s a sample here); `verify`
+# judged 40 copies of the closed sum SLOW_SAMPLE in under 3 s (unevaluated arithmetic is no answer)
 SLOW_TO_GRADE = "\\boxed{" + "x+" * 20000 + "1}"
 NESTED_BOXES = "\\boxed{" * 8000 + "1" + "}" * 8000       # took `verify --deadline 5` 53 s
 

@@ -208,7 +208,7 @@ class PolicyTrainer(PolicyModel):
             raise RuntimeFailure("the model has no trainable parameters")
         # CUDA: the fused AdamW kernel (one pass over parameters, gradients and moments; the same
         # update as the multi-tensor one, and the same state dict)
-        fused = self.device.type == "cuda" and all(p.is_floating_point() for p in params)
+        fused = self.device.type == "cuda"  # trainable parameters are floating point
         optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
                                       eps=config.adam_epsilon, weight_decay=config.weight_decay,
                                       **({"fused": True} if fused else {}))

@@ -76,14 +76,11 @@ class QuestionerStage(_GeneratingStage):
             prompt = self.prompt.messages(seed_record or {}, topic_hint=hint, topic=topic or "")
             sizes = [min(self.batch_size, self.candidates - start)
                      for start in range(0, self.candidates, self.batch_size)]
-            chunk = 0
             for first in range(0, len(sizes), self.groups_per_call):
-                # several groups in one call: the same prompt once per group, ``size`` samples each
-                call_sizes = sizes[first:first + self.groups_per_call]
-                groups = self._generate_groups(prompt, call_sizes)
-                for samples in groups:
-                    yield from self._records(samples, prompt, topic, seed_record, chunk)
-                    chunk += 1
+                # several groups in one call: the prompt once per group, the group's size samples each
+                groups = self._generate_groups(prompt, sizes[first:first + self.groups_per_call])
+                for offset, samples in enumerate(groups):
+                    yield from self._records(samples, prompt, topic, seed_record, first + offset)
 
     def _generate_groups(self, prompt, sizes: list[int]) -> list[list]:
         """The samples of the groups ``sizes``, in order: one backend call (a last, smaller group
