@@ -230,6 +230,26 @@ def run_shape(args, shape: str, paths: list[str]) -> None:
         (out / f"{shape}-{name}.txt").write_text(head + "\n\n" + table + "\n", encoding="utf-8")
         print(f"# {head} -> {out / (shape + '-' + name + '.txt')}", file=sys.stderr, flush=True)
 
+    def synchronizing(name: str, step) -> None:
+        """``--sync-debug``: one more (warm) step with ``torch.cuda.set_sync_debug_mode("warn")``,
+        the host-synchronising calls counted by the Python line that made them (stderr). A sync
+        inside the micro-batch loop leaves the GPU idle while the host packs and launches."""
+        import collections
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                    if "synchroniz" in str(w.message))
+        total = sum(where.values())
+        lines = ", ".join(f"{place} ×{n}" for place, n in where.most_common(12)) or "none"
+        print(f"# {shape} {name}: {total} synchronising calls in one step: {lines}", file=sys.stderr, flush=True)
+
     def timed(step) -> tuple[float, float | None]:
         step()  # warm-up (allocations, kernels, compilation)
         sync(args.device)
@@ -258,6 +278,9 @@ def run_shape(args, shape: str, paths: list[str]) -> None:
                 if args.profile:
                     profiled(name, lambda: bare_step(bare_model, bare_optimizer, sequences, plan, args.device,
                                                      autocast_dtype))
+                if args.sync_debug and cuda:
+                    synchronizing(name, lambda: bare_step(bare_model, bare_optimizer, sequences, plan, args.device,
+                                                          autocast_dtype))
                 del bare_model, bare_optimizer
             else:
                 if args.lora_r:
@@ -276,6 +299,8 @@ def run_shape(args, shape: str, paths: list[str]) -> None:
                 seconds, peak = timed(lambda: trainer.update_sequences(sequences))
                 if args.profile:
                     profiled(name, lambda: trainer.update_sequences(sequences))
+                if args.sync_debug and cuda:
+                    synchronizing(name, lambda: trainer.update_sequences(sequences))
                 del trainer
         except Exception as exc:  # noqa: BLE001 - one path failing must not hide the others
             print(f"| {label} | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]} |", flush=True)
@@ -308,6 +333,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", default=None, metavar="DIR", help="each path once more under torch.profiler "
                         "(after its timed steps): the top ops in DIR/SHAPE-PATH.txt")
+    parser.add_argument("--sync-debug", action="store_true", help="cuda: each path once more with "
+                        "torch.cuda.set_sync_debug_mode('warn'); the synchronising calls by line (stderr)")
     parser.add_argument("--lora-r", type=int, default=0, help="sptool paths train a LoRA adapter of this rank "
                         "(the bare path stays full fine-tuning)")
     parser.add_argument("--peak-tflops", type=float, default=790.0)
