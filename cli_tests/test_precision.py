@@ -456,3 +456,41 @@ def test_auto_rounding_leaves_lora_layers_alone_without_a_note(random_policy):
         assert any("--weight-rounding" in note for note in notes) == noted, notes
         del trainer
     AcceleratorState._reset_state(True)
+
+
+@pytest.mark.gpu
+def test_a_cuda_update_syncs_the_host_only_at_its_end(random_policy):
+    """Issue 32: a host sync inside the micro-batch loop (a copy from pageable memory, a scalar made
+    on the host) makes each micro-batch wait for the previous backward, and the GPU idles while the
+    host packs and launches the next (79 syncs a step cost the 0.5B step 1.52x -> 1.37x bare on an
+    H100). Inside the loop only transformers' packed-sequence check may sync, once per micro-batch;
+    the step's end syncs for the gradient norm and the metrics."""
+    import warnings
+    from pathlib import Path
+
+    import torch
+    from accelerate.state import AcceleratorState
+
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    AcceleratorState._reset_state(True)
+    trainer = PolicyTrainer(TrainConfig(model=random_policy, device="cuda", learning_rate=1e-5,
+                                        max_tokens_per_micro_batch=64))
+    groups = [{"prompt": [{"role": "user", "content": f"What is {a} + {a}?"}],
+               "completions": [f"The answer is {2 * a}.", "I do not know the answer to that one.", str(a)],
+               "rewards": [1.0, 0.0, 0.0], "role": "solver"} for a in range(11, 15)]
+    trainer.update(groups)  # warm-up: compilation and first allocations
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            metrics = trainer.update(groups)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    ours = [place for place in syncs if not place.startswith("masking_utils.py")]
+    assert metrics["micro_batches"] >= 2, metrics
+    assert len(ours) <= 4, ours
+    AcceleratorState._reset_state(True)
