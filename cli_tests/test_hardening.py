@@ -314,6 +314,15 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        children = _children(todo.pop())
+        found += children
+        todo += children
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as handle:
@@ -333,16 +342,19 @@ def test_grading_workers_die_with_a_killed_parent(tmp_path):
     process = subprocess.Popen([*SPTOOL, "verify", "--workers", "1", "--deadline", "600", "-q", str(source)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     try:
+        # the grading worker: a descendant (a child, or a forkserver's child) alive for 3 s; a helper
+        # seen only briefly at start-up under CI load is not one
         deadline = time.monotonic() + 120
+        first_seen: dict[int, float] = {}
         workers: list[int] = []
-        while time.monotonic() < deadline and not workers:
+        while time.monotonic() < deadline and not workers and process.poll() is None:
             time.sleep(0.5)
-            workers = _children(process.pid)
-        assert workers, "no worker process started"
-        time.sleep(3)  # the worker is grading now
-        # the children alive now: a short-lived helper seen at start-up (under CI load) has exited
-        workers = [pid for pid in _children(process.pid) if _alive(pid)]
-        assert workers, "no grading worker alive after 3 s"
+            now = time.monotonic()
+            alive = {pid for pid in _descendants(process.pid) if _alive(pid)}
+            first_seen = {pid: first_seen.get(pid, now) for pid in alive}
+            workers = [pid for pid, seen in first_seen.items() if now - seen >= 3]
+        assert process.poll() is None, "verify ended before its grading could be killed"
+        assert workers, "no grading worker alive for 3 s"
         process.send_signal(signal.SIGKILL)
         process.wait()
         gone_by = time.monotonic() + 5
