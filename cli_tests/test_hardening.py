@@ -269,10 +269,15 @@ def test_solve_deadline_cuts_generation_writes_what_is_solved_and_exits_1(tmp_pa
 
 
 SLOW_SAMPLE = "\\boxed{" + "1+" * 20000 + "1}"          # math-verify parses this for seconds
-# a sum with a variable still goes to math-verify's parse (about 2.5 s a sample here); `verify`
-# judged 40 copies of the closed sum SLOW_SAMPLE in under 3 s (unevaluated arithmetic is no answer)
-SLOW_TO_GRADE = "\\boxed{" + "x+" * 20000 + "1}"
 NESTED_BOXES = "\\boxed{" * 8000 + "1" + "}" * 8000       # took `verify --deadline 5` 53 s
+
+
+def slow_to_grade(count: int) -> list[dict]:
+    """``count`` samples that each cost math-verify a parse (a sum with a variable, about 2.5 s a
+    sample here). `verify` judged 40 copies of the closed sum SLOW_SAMPLE in under 3 s (unevaluated
+    arithmetic is no answer), and 40 copies of one open sum in 3 s too (its parsed-answer cache), so
+    every sample's answer is distinct."""
+    return [{"text": "\\boxed{" + "x+" * 20000 + f"{i + 1}}}"} for i in range(count)]
 
 
 def test_nested_boxes_and_slow_grading_end_within_the_deadline_plus_a_second():
@@ -337,7 +342,7 @@ def test_grading_workers_die_with_a_killed_parent(tmp_path):
     import signal
     import time
 
-    record = {"question": "q", "answer": "2", "samples": [{"text": SLOW_TO_GRADE + str(i)} for i in range(40)]}
+    record = {"question": "q", "answer": "2", "samples": slow_to_grade(40)}
     source = write_jsonl(tmp_path / "slow.jsonl", [record])
     process = subprocess.Popen([*SPTOOL, "verify", "--workers", "1", "--deadline", "600", "-q", str(source)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
@@ -639,7 +644,7 @@ def test_a_full_disk_at_checkpoint_save_is_an_enospc_error_not_a_writer_tracebac
 
 
 def _slow_verify(tmp_path, out):
-    record = {"question": "q", "answer": "2", "samples": [{"text": SLOW_TO_GRADE + str(i)} for i in range(40)]}
+    record = {"question": "q", "answer": "2", "samples": slow_to_grade(40)}
     source = write_jsonl(tmp_path / "slow.jsonl", [SOLVED] * 3 + [record])
     return subprocess.Popen([*SPTOOL, "verify", "--workers", "1", "--deadline", "600", "-q", str(source),
                              "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
