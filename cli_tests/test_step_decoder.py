@@ -290,6 +290,48 @@ def test_a_model_the_step_decoder_cannot_run_falls_back_to_generate_with_one_lin
          "generate (model.decoder=generate)"]
 
 
+@pytest.mark.slow
+def test_a_bf16_split_sampler_step_decodes_as_generate_and_compiles_to_one_graph():
+    """A bf16 sampler (bf16 autocast over split-rounded linears: ``--sampler bf16-split``, a run with
+    ``train.weight_rounding = split``). A Llama layer's keys leave the rotary embedding in float32
+    and its values leave ``v_proj`` in bf16; the static cache took one dtype and ``index_copy_``
+    failed, so eager step decoding fell back to generate. The cache layers cast what they store:
+    greedy tokens equal generate's under the same autocast, with the model's attention and with
+    grouped, and the compiled step with grouped attention (``aot_eager``) is one graph."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+    from sptool.models.step_decoder import StepDecoder, casting_static_layer
+    from sptool.train.rounding import use_weight_rounding
+
+    eager = HFBackend("tiny", device="cpu", dtype="fp32", batch_size=8)
+    try:
+        assert use_weight_rounding(eager.model, "split") > 0
+        eager.autocast = torch.bfloat16
+        notes: list[str] = []
+        step = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, decoder="step",
+                                    log=notes.append, autocast=torch.bfloat16)
+        params = SamplingParams(temperature=0, max_new_tokens=4)
+        want = tokens_of(eager.generate(PROMPTS, 1, params))
+        for attention in ("model", "grouped"):
+            step.decode_attention = attention
+            assert tokens_of(step.generate(PROMPTS, 1, params)) == want, attention
+        assert step.decoder == "step" and step._step_proven, notes
+        layers = next(iter(step._caches.values())).layers
+        assert {type(layer) for layer in layers} == {casting_static_layer()}
+        assert {layer.keys.dtype for layer in layers} == {torch.float32}  # the keys' dtype; values widened
+        step._step_decoder = StepDecoder(eager.model, compile=True,
+                                         compile_options=dict(backend="aot_eager", dynamic=False))
+        graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+        assert tokens_of(step.generate(PROMPTS, 1, params)) == want
+        assert counters["stats"]["unique_graphs"] - graphs == 1
+        assert sum(counters["graph_break"].values()) == breaks
+    finally:
+        eager.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_compiled_step_decoder_on_gpu_follows_generate_and_weight_changes():

@@ -65,10 +65,33 @@ def unsupported(model, cache) -> str | None:
     layers = getattr(cache, "layers", None)
     if not layers:
         return "its static cache has no layers"
-    odd = sorted({type(layer).__name__ for layer in layers if type(layer) is not StaticLayer})
+    odd = sorted({type(layer).__name__ for layer in layers
+                  if type(layer) is not StaticLayer and type(layer) is not casting_static_layer()})
     if odd:
         return f"cache layers of type {', '.join(odd)} (only full attention is step-decoded)"
     return None
+
+
+_CASTING_LAYER: list = []
+
+
+def casting_static_layer():
+    """:class:`transformers.cache_utils.StaticLayer` whose ``update`` first casts the new keys and
+    values to the cache's dtype. Under autocast a Llama layer's keys leave the rotary embedding in
+    the residual stream's float32 while its values leave ``v_proj`` in bf16, and ``index_copy_``
+    takes one dtype: eager decoding failed (inductor cast silently). The cast is what inductor did:
+    the cache holds the keys' dtype, the values are widened exactly."""
+    if not _CASTING_LAYER:
+        from transformers.cache_utils import StaticLayer
+
+        class CastingStaticLayer(StaticLayer):
+            def update(self, key_states, value_states, *args, **kwargs):
+                if self.is_initialized:
+                    key_states, value_states = key_states.to(self.keys.dtype), value_states.to(self.values.dtype)
+                return super().update(key_states, value_states, *args, **kwargs)
+
+        _CASTING_LAYER.append(CastingStaticLayer)
+    return _CASTING_LAYER[0]
 
 
 @dataclass
@@ -151,9 +174,11 @@ class StepDecoder:
                             past_key_values=prompt_cache, use_cache=True, logits_to_keep=1)
         length = input_ids.shape[1]
         rows = row_map.shape[0]
+        casting = casting_static_layer()
         for layer, source in zip(cache.layers, prompt_cache.layers):
             keys, values = source.keys, source.values
             if not layer.is_initialized:
+                layer.__class__ = casting  # a StaticLayer (see unsupported) that casts what it stores
                 layer.lazy_initialization(keys.new_empty((rows, *keys.shape[1:])),
                                           values.new_empty((rows, *values.shape[1:])))
             if layer.keys.shape[0] != rows or layer.max_cache_len < length:
