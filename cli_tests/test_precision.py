@@ -463,8 +463,9 @@ def test_a_cuda_update_syncs_the_host_only_at_its_end(random_policy):
     """Issue 32: a host sync inside the micro-batch loop (a copy from pageable memory, a scalar made
     on the host) makes each micro-batch wait for the previous backward, and the GPU idles while the
     host packs and launches the next (79 syncs a step cost the 0.5B step 1.52x -> 1.37x bare on an
-    H100). Inside the loop only transformers' packed-sequence check may sync, once per micro-batch;
-    the step's end syncs for the gradient norm and the metrics."""
+    H100). Nothing inside the loop syncs (transformers' packed-sequence check did, once per
+    micro-batch, until the trainer answered it: see the CPU test below); the step's end syncs for
+    the gradient norm and the metrics."""
     import warnings
     from pathlib import Path
 
@@ -490,7 +491,43 @@ def test_a_cuda_update_syncs_the_host_only_at_its_end(random_policy):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
-    ours = [place for place in syncs if not place.startswith("masking_utils.py")]
     assert metrics["micro_batches"] >= 2, metrics
-    assert len(ours) <= 4, ours
+    assert not [place for place in syncs if place.startswith("masking_utils.py")], syncs
+    assert len(syncs) <= 4, syncs
+    AcceleratorState._reset_state(True)
+
+
+def test_the_trainer_forward_skips_transformers_packed_sequence_check(random_policy, monkeypatch):
+    """Issue 32: given no attention mask, transformers looks for sequences packed into one row, with
+    a ``.all()`` that waits for the GPU before every forward (4 of the 7 host syncs left in a 0.5B
+    step). The trainer puts one sequence in a row, so it answers the check itself: an update with
+    a reference model (``beta``) and the trainer's own old log-probs never calls it, a plain
+    forward of the same model does, and the check is transformers' own again after the update."""
+    import torch
+    from accelerate.state import AcceleratorState
+    from transformers import masking_utils
+
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    calls: list[tuple] = []
+    real = masking_utils.find_packed_sequence_indices
+
+    def spy(position_ids):
+        calls.append(tuple(position_ids.shape))
+        return real(position_ids)
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", spy)
+    AcceleratorState._reset_state(True)
+    trainer = PolicyTrainer(TrainConfig(model=random_policy, device="cpu", learning_rate=1e-5, beta=0.04,
+                                        old_logprobs="trainer", max_tokens_per_micro_batch=64))
+    groups = [{"prompt": [{"role": "user", "content": f"What is {a} + {a}?"}],
+               "completions": [f"The answer is {2 * a}.", "I do not know.", str(a)],
+               "rewards": [1.0, 0.0, 0.0], "role": "solver"} for a in range(11, 14)]
+    metrics = trainer.update(groups)
+    assert metrics["micro_batches"] >= 2 and calls == [], (metrics, calls)
+    with torch.no_grad():
+        trainer.model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+    assert calls == [(1, 3)]
+    assert masking_utils.find_packed_sequence_indices is spy
+    del trainer
     AcceleratorState._reset_state(True)

@@ -31,6 +31,32 @@ def _bypassed(head):
         del head.forward
 
 
+def _no_packed_sequences(position_ids):
+    return None
+
+
+@contextlib.contextmanager
+def _one_sequence_a_row():
+    """Inside, transformers' mask code takes each row of a forward as one sequence. Given no
+    attention mask and no cache it looks for sequences packed into a row (position ids that
+    restart), and its ``.all()`` waits for the GPU before every forward: 4 of the 7 host syncs left
+    in a 0.5B train step (issue 32). The trainer puts one right-padded sequence in each row, so the
+    check's answer is always "none", which is what this gives without asking the GPU."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # an older transformers: no such check
+        masking_utils = None
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = _no_packed_sequences
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
 def _compile_decoder_layers(model, log: Callable[[str], None]) -> list:
     """``torch.compile`` each decoder layer in place (regional compilation: the layers share one
     compiled graph, so compiling costs one layer's time; module names and checkpoints unchanged).
@@ -215,11 +241,12 @@ class PolicyModel:
             with torch.no_grad():
                 if self.is_lora:
                     policy, head = self.accelerator.unwrap_model(self.model), self.head
-                    with policy.disable_adapter(), self.accelerator.autocast(), _bypassed(head):
+                    with policy.disable_adapter(), self.accelerator.autocast(), _bypassed(head), \
+                            _one_sequence_a_row():
                         hidden = policy(input_ids=input_ids, use_cache=False).logits
                 else:
                     head = self.ref_head
-                    with self.accelerator.autocast(), _bypassed(head):
+                    with self.accelerator.autocast(), _bypassed(head), _one_sequence_a_row():
                         hidden = self.ref_model(input_ids=input_ids, use_cache=False).logits
                 logprobs, _ = chunked_selected_logprobs(
                     hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions), head.weight, head.bias, targets,
@@ -290,7 +317,7 @@ class PolicyModel:
                     if self.head is not None:
                         from sptool.train.logprobs import chunked_selected_logprobs
 
-                        with self.accelerator.autocast(), _bypassed(self.head):
+                        with self.accelerator.autocast(), _bypassed(self.head), _one_sequence_a_row():
                             hidden = self.model(input_ids=input_ids, use_cache=False).logits
                         values, _ = chunked_selected_logprobs(
                             hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions), self.head.weight,
@@ -299,7 +326,7 @@ class PolicyModel:
                             compute_dtype=self.compute_dtype, compiled=self.kernels_compiled,
                             rounding=getattr(self, "weight_rounding", "nearest"))
                     else:
-                        with self.accelerator.autocast():
+                        with self.accelerator.autocast(), _one_sequence_a_row():
                             logits = self.model(input_ids=input_ids, use_cache=False).logits
                         selected = logits.reshape(-1, logits.shape[-1]).index_select(0, positions).float() \
                             / config.temperature

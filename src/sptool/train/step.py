@@ -34,7 +34,7 @@ from sptool.train.group import (  # noqa: F401 - re-exported: sptool.train.step'
 from sptool.train.config import (  # noqa: F401 - re-exported: sptool.train.step's API
     TrainConfig, TrainSequence, plan_micro_batches)
 from sptool.train.model import (  # noqa: F401 - re-exported: sptool.train.step's API
-    PolicyModel, _LOGIT_TRANSFORMS, _bypassed, _compile_decoder_layers, _identity, _uncompile,
+    PolicyModel, _LOGIT_TRANSFORMS, _bypassed, _one_sequence_a_row, _compile_decoder_layers, _identity, _uncompile,
     peak_memory_mb)
 
 
@@ -418,7 +418,7 @@ class PolicyTrainer(PolicyModel):
         config = self.config
         device = self.device
         input_ids, positions, targets, token_values = self._pack(batch, weights)
-        with self.accelerator.autocast(), _bypassed(self.head):
+        with self.accelerator.autocast(), _bypassed(self.head), _one_sequence_a_row():
             hidden = self.model(input_ids=input_ids, use_cache=False).logits
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
         ref = self._reference_logprobs(input_ids, None, None, targets, positions) if config.beta > 0 else None
