@@ -79,8 +79,8 @@ def casting_static_layer():
     """:class:`transformers.cache_utils.StaticLayer` whose ``update`` first casts the new keys and
     values to the cache's dtype. Under autocast a Llama layer's keys leave the rotary embedding in
     the residual stream's float32 while its values leave ``v_proj`` in bf16, and ``index_copy_``
-    takes one dtype: eager decoding failed (inductor cast silently). The cast is what inductor did:
-    the cache holds the keys' dtype, the values are widened exactly."""
+    takes one dtype: eager decoding failed (inductor cast silently). The cache is made in the
+    sampler's dtype (:meth:`StepDecoder.prefill`): a bf16 sampler's holds bf16 keys and values."""
     if not _CASTING_LAYER:
         from transformers.cache_utils import StaticLayer
 
@@ -165,6 +165,7 @@ class StepDecoder:
         """The distinct prompts (``input_ids``/``attention_mask``: prompts x length, left padded)
         through the model once; their keys and values copied into ``cache``'s rows as ``row_map``
         (sample row -> prompt row) says. Returns the last position's logits per sample row."""
+        import torch
         from transformers import DynamicCache
 
         positions = attention_mask.long().cumsum(-1) - 1
@@ -175,12 +176,17 @@ class StepDecoder:
         length = input_ids.shape[1]
         rows = row_map.shape[0]
         casting = casting_static_layer()
+        device_type = input_ids.device.type
+        # the cache in the sampler's dtype: autocast's (a bf16 sampler keeps a bf16 cache, half the
+        # bytes to hold and to read each step), else the model's
+        cache_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         for layer, source in zip(cache.layers, prompt_cache.layers):
             keys, values = source.keys, source.values
             if not layer.is_initialized:
                 layer.__class__ = casting  # a StaticLayer (see unsupported) that casts what it stores
-                layer.lazy_initialization(keys.new_empty((rows, *keys.shape[1:])),
-                                          values.new_empty((rows, *values.shape[1:])))
+                dtype = cache_dtype or keys.dtype
+                layer.lazy_initialization(keys.new_empty((rows, *keys.shape[1:]), dtype=dtype),
+                                          values.new_empty((rows, *values.shape[1:]), dtype=dtype))
             if layer.keys.shape[0] != rows or layer.max_cache_len < length:
                 raise ValueError(f"static cache of {layer.keys.shape[0]} rows x {layer.max_cache_len} "
                                  f"positions for {rows} rows x {length}")
