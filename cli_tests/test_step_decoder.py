@@ -377,3 +377,40 @@ def test_compiled_step_decoder_on_gpu_follows_generate_and_weight_changes():
     fallbacks = [note for note in notes if "can't run" in note or "eagerly" in note]
     assert fast.decoding == grouped.decoding == "step-compiled" and not fallbacks, notes
     eager.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_bf16_split_sampler_compiles_to_one_graph_on_gpu():
+    """CUDA: a bf16-split sampler (the split linears take ``torch.mm(out_dtype=float32)`` there) step
+    decodes through the compiled step with grouped attention without a graph break. On an H100 it
+    hit torch.compile's recompile limit instead, the decoder layer recompiled per ``layer_idx``,
+    which a break inside the layer makes (CPU, where the split linears multiply in float32, has
+    none: ``test_a_bf16_split_sampler_step_decodes_as_generate_and_compiles_to_one_graph``)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+    from sptool.train.rounding import use_weight_rounding
+
+    eager = HFBackend("tiny", device="cuda", dtype="fp32", batch_size=8)
+    assert use_weight_rounding(eager.model, "split") > 0
+    eager.autocast = torch.bfloat16
+    notes: list[str] = []
+    fast = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, compile=True,
+                                decoder="step", decode_attention="grouped", log=notes.append,
+                                autocast=torch.bfloat16)
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    breaks = sum(counters["graph_break"].values())
+    got = tokens_of(fast.generate(PROMPTS, 3, params))
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    assert fast.decoding == "step-compiled" and not [n for n in notes if "can't run" in n], notes
+    assert {layer.keys.dtype for layer in next(iter(fast._caches.values())).layers} == {torch.bfloat16}
+    want = tokens_of(eager.generate(PROMPTS, 3, params))
+    for prompt, rows_want, rows_got in zip(PROMPTS, want, got):
+        for row_want, row_got in zip(rows_want, rows_got):
+            assert_same_greedy(eager, prompt, row_got, row_want, 0.5)
+    eager.close()
