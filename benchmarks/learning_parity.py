@@ -116,6 +116,13 @@ SPTOOL_ARMS = {
     "sptool-bf16-split": {"train.mixed_precision": "bf16", "model.dtype": "bf16", "train.old_logprobs": "trainer",
                           "train.weight_rounding": "split"},
     "sptool-fp16-selfold": {"train.mixed_precision": "fp16", "model.dtype": "fp16", "train.old_logprobs": "trainer"},
+    # issue 33: the default with the step decoder and grouped decode attention (the loop step's
+    # generation against TRL's, the curve against the default's), and the same over the bf16-split
+    # sampler (bf16 prefill and GEMMs, a bf16 KV cache), the path to 5x bare generate in greedy eval
+    "sptool-step": {"model.decoder": "step", "model.decode_attention": "grouped"},
+    "sptool-bf16-split-step": {"train.mixed_precision": "bf16", "model.dtype": "bf16", "train.old_logprobs": "trainer",
+                               "train.weight_rounding": "split", "model.decoder": "step",
+                               "model.decode_attention": "grouped"},
 }
 # the arms above were measured when a low-precision trainer took log π_old from the sampler and
 # rounded its weights to nearest unless told otherwise; "auto" now picks the trainer's and
