@@ -98,6 +98,9 @@ class Settings:
     mixed_precision: str = "auto"  # train.mixed_precision of every arm and the start (runs 1-5: float32, "no")
     band: list | None = None  # the solver pool's p̂ band of the label-free arms (None: R-Quest's 0.3-0.8 on cuda)
     format_weight: float = 0.1  # every arm's credit for a readable \boxed{} answer (the start keeps 0.1)
+    # R-Quest's novelty gate on sums: "repeat" (only a repeated question is the same) or "template"
+    # (numbers masked, similarity >= 0.6, runs 1-6: every sum is one task type, so no sum was novel)
+    rquest_novelty: str = "repeat"
     model: str = "tiny"
     validity_init: str = ""  # R-Quest's validity-initialisation set (OUT/data/, see validity_init_set)
     train: str = str(ROOT / "fixtures/addition_train.jsonl")
@@ -172,6 +175,8 @@ def arm_plan(arm: str, s: Settings, start: str) -> tuple[str, int, dict]:
         return "rquest", s.rounds, {
             **sets, **round_sets(s, "rquest"), "model.policy": start, "rquest.validity_samples": 3,
             "rquest.novelty_judge": "lexical", "rquest.novelty_k": 3, "rquest.init_steps": 3,
+            **({"rquest.novelty_similarity": 1.0, "rquest.novelty_mask_numbers": False}
+               if s.rquest_novelty == "repeat" else {}),
             "rquest.init_batch": 16, "rquest.init_samples": s.samples, "prompts.validity": "direct",
             **({"rquest.init_data": s.validity_init} if s.validity_init else {})}
     if arm in ("wist", "wist-uniform"):
@@ -735,6 +740,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mixed-precision", default="auto", choices=("auto", "no", "bf16"),
                         help="train.mixed_precision of every arm and the start (auto: the tool's default, bf16 with "
                         "stochastic weight rounding on CUDA; no: float32, as in runs 1-5)")
+    parser.add_argument("--rquest-novelty", default="repeat", choices=("repeat", "template"),
+                        help="R-Quest's novelty gate: repeat (only a repeated question is the same: on a task of one "
+                        "template the paper's same-type gate finds every sum the same type and pays nothing; the "
+                        "default) or template (numbers masked, similarity >= 0.6: runs 1-6)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--start", default=None, help="a start checkpoint (skips making one)")
     parser.add_argument("--parallel", type=int, default=None, help="arms at once (default: 4 on cuda, 1 on cpu; "
@@ -768,7 +777,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--format-weight: expected a number in [0, 1], got {args.format_weight}")
     s = Settings(device=device, lr=args.lr, model=args.model, gen_batch=args.gen_batch, band=band, decoder=args.decoder,
                  decode_attention=args.decode_attention, mixed_precision=args.mixed_precision,
-                 format_weight=args.format_weight,
+                 format_weight=args.format_weight, rquest_novelty=args.rquest_novelty,
                  **{**defaults(device), **given})
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"selfplay-{device.split(':')[0]}").resolve()
     out.mkdir(parents=True, exist_ok=True)

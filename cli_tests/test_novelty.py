@@ -100,6 +100,22 @@ def test_lexical_judge_marks_a_reused_template_not_novel():
         LexicalJudge(0.0)
 
 
+def test_on_a_task_of_one_template_only_a_repeated_question_is_the_same():
+    """Two-digit sums are one task type: the number-masked gate finds every sum the same type, so no
+    sum is novel and R-Quest's questioner is paid for none (H200 run 5: 0-5% novel). Unmasked, at
+    similarity 1.0, only a repeated question (case and spaces aside) is the same."""
+    sums = [{"id": f"s{i}", "question": f"What is {a} + {b}?"} for i, (a, b) in enumerate([(12, 9), (47, 38), (5, 61)])]
+    repeat = {"id": "r", "question": "what is  12 + 9?"}
+    masked = {r["id"]: r["novelty"]["novel"] for r in NoveltyStage(LexicalJudge(0.6), k=3, seed=0).run(iter(sums))}
+    assert masked == {"s0": False, "s1": False, "s2": False}
+    records = [dict(r) for r in sums] + [repeat]
+    judge = LexicalJudge(1.0, mask_numbers=False)
+    out = {r["id"]: r["novelty"] for r in NoveltyStage(judge, k=3, seed=0).run(iter(records))}
+    assert {key: value["novel"] for key, value in out.items()} == {"s0": False, "s1": True, "s2": True, "r": False}
+    assert [c["id"] for c in out["r"]["compared"] if c["verdict"] == "same"] == ["s0"]
+    assert judge.judge([("What is 12 + 9?", "What is 13 + 9?")])[0][0] == "different"
+
+
 def test_cost_is_batch_times_k_and_seeded():
     records = read_jsonl(BATCH)
     judge = ScriptedBackend(outputs=["NO"])

@@ -66,6 +66,23 @@ def test_the_decoding_settings_reach_every_arm():
     assert selfplay.Settings(device="cuda", lr=1e-5, **selfplay.defaults("cuda")).decode_attention == "model"
 
 
+def test_rquests_novelty_gate_on_sums_judges_repeats_unless_told_template():
+    """R-Quest's arm: only a repeated question is the same (``--rquest-novelty repeat``, the default),
+    or runs 1-6's number-masked template gate, under which no sum was novel; the recipe takes both."""
+    plans = {novelty: selfplay.arm_plan("rquest", selfplay.Settings(device="cuda", lr=1e-5, rquest_novelty=novelty,
+                                                                     **selfplay.defaults("cuda")), "START")[2]
+             for novelty in ("repeat", "template")}
+    repeat, template = plans["repeat"], plans["template"]
+    assert (repeat["rquest.novelty_similarity"], repeat["rquest.novelty_mask_numbers"]) == (1.0, False)
+    assert "rquest.novelty_similarity" not in template and "rquest.novelty_mask_numbers" not in template
+    assert repeat["rquest.novelty_judge"] == template["rquest.novelty_judge"] == "lexical"
+    shown = subprocess.run([sys.executable, "-m", "sptool.cli.main", "recipes", "show", "rquest", "--set",
+                            "rquest.novelty_mask_numbers=false", "--set", "rquest.novelty_similarity=1.0"],
+                           capture_output=True, text=True, cwd=selfplay.ROOT)
+    assert shown.returncode == 0, shown.stderr
+    assert "novelty_mask_numbers = false" in shown.stdout and "novelty_similarity = 1.0" in shown.stdout
+
+
 def test_rquests_validity_initialisation_is_one_digit_sums_and_flawed_ones(tmp_path):
     """Sums the start can solve (so that answering pays more than INVALID under R_init), one in
     four flawed, and no label of the held-out kind (two-digit sums) in a label-free arm."""

@@ -92,6 +92,11 @@ class RQuestConfig(RQuestOptions, RoundConfig):
     novelty_similarity: float = setting(0.6, "the lexical judge's threshold (1.0: the same template "
                                         "with other numbers; unrelated short problems score 0.3-0.5)",
                                         "sptool's choice", above=0, maximum=1)
+    novelty_mask_numbers: bool = setting(True, "the lexical judge masks numbers before comparing (false, "
+                                         "with novelty_similarity 1.0: only a repeated question is the "
+                                         "same, the gate for a task of one template such as sums, where "
+                                         "every proposal is one task type and the masked gate pays nothing)",
+                                         "sptool's choice")
     init_data: str = setting("package:validity_init.jsonl", "the labelled validity-initialisation "
                              "set (answer INVALID for a flawed problem), trained on first and replayed "
                              "in every solver update; sptool ships a 12-problem sample",
@@ -359,8 +364,8 @@ class RQuest(RZero):
     def novelty(self, ctx: StepContext, records: list[dict]) -> list[dict]:
         from sptool.stages.novelty import LexicalJudge, NoveltyStage
 
-        judge = (LexicalJudge(self.c.novelty_similarity) if self.c.novelty_judge == "lexical"
-                 else self.session.judge)
+        judge = (LexicalJudge(self.c.novelty_similarity, self.c.novelty_mask_numbers)
+                 if self.c.novelty_judge == "lexical" else self.session.judge)
         stage = NoveltyStage(judge, k=self.c.novelty_k, seed=ctx.seed,
                              max_new_tokens=self.c.novelty_max_tokens, prompt=self.session.prompt("novelty"))
         return ctx.run_stage(stage, records)

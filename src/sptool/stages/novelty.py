@@ -37,34 +37,38 @@ SAME, DIFFERENT, UNPARSED = "same", "different", "unparsed"
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 
 
-def masked_similarity(a: str, b: str) -> float:
+def masked_similarity(a: str, b: str, mask_numbers: bool = True) -> float:
     """How alike two problems are once their numbers are masked: the normalised Indel similarity
     ``1 − (insertions + deletions) / (len(a′) + len(b′))`` (rapidfuzz ``fuzz.ratio`` / 100) of
     a′, b′ = the lower-cased texts with whitespace collapsed and every number replaced by ``#``.
-    1.0 for the same template with other numbers; unrelated short problems score about 0.3–0.5."""
+    1.0 for the same template with other numbers; unrelated short problems score about 0.3–0.5.
+    ``mask_numbers`` False compares the numbers too: 1.0 only for the same problem."""
     from rapidfuzz import fuzz
 
     def mask(text: str) -> str:
-        return _NUMBER.sub("#", " ".join(text.lower().split()))
+        text = " ".join(text.lower().split())
+        return _NUMBER.sub("#", text) if mask_numbers else text
 
     return fuzz.ratio(mask(a), mask(b)) / 100.0
 
 
 class LexicalJudge:
     """A same-task judge without a model: ``same`` when :func:`masked_similarity` ≥ ``threshold``;
-    the raw verdict records the similarity."""
+    the raw verdict records the similarity. ``mask_numbers`` False with ``threshold`` 1.0 judges
+    only a repeated problem the same: the gate for a task of one template (two-digit sums), where
+    every proposal is the paper's "same task type" and the masked gate zeroes every reward."""
 
     model_id = "lexical"
 
-    def __init__(self, threshold: float = 0.6):
+    def __init__(self, threshold: float = 0.6, mask_numbers: bool = True):
         if not 0.0 < threshold <= 1.0:
             raise UsageError(f"the lexical judge's similarity threshold must be in (0, 1], got {threshold}")
-        self.threshold = threshold
+        self.threshold, self.mask_numbers = threshold, mask_numbers
 
     def judge(self, pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
         out = []
         for a, b in pairs:
-            similarity = masked_similarity(a, b)
+            similarity = masked_similarity(a, b, self.mask_numbers)
             out.append((SAME if similarity >= self.threshold else DIFFERENT, f"similarity {similarity:.3f}"))
         return out
 
