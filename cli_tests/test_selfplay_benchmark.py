@@ -95,7 +95,9 @@ def test_rquests_validity_initialisation_is_one_digit_sums_and_flawed_ones(tmp_p
     for r in valid:
         a, b = map(int, re.fullmatch(r"What is (\d) \+ (\d)\?", r["question"]).groups())
         assert r["answer"] == str(a + b)
-    assert all(selfplay.sum_truth(r["question"]) is None for r in records if r["answer"] == "INVALID")
+    flawed = [r["question"] for r in records if r["answer"] == "INVALID"]
+    assert all(selfplay.sum_truth(q) is None and selfplay.arithmetic_truth(q) is None for q in flawed)
+    assert any("x -" in q for q in flawed) and any(q.endswith("y?") for q in flawed)  # every kind of flaw
     assert not any(re.search(r"\d\d", r["question"]) for r in records)
     settings = selfplay.Settings(device="cuda", lr=1e-5, validity_init=path, **selfplay.defaults("cuda"))
     assert selfplay.arm_plan("rquest", settings, "START")[2]["rquest.init_data"] == path
