@@ -418,7 +418,7 @@ def harness_accuracy(s: Settings, checkpoint: str) -> float:
 
 #: flawed forms of ``What is A + B?`` for R-Quest's validity initialisation: no single answer
 # flaws of the kinds the questioner writes (run 5: "What is 2 + ?", "What is 32 + 42 (10x-32)?"); the
-# last two joined runs 1-6's four after the solver's gate passed 97-100% of run 5's proposals
+# last two joined runs 1-6's four after the solver's gate passed every proposal of run 5
 FLAWED_SUMS = ("What is {a} + ?", "What is x + {b}?", "What is {a} + the other number?", "What is {a} + {b} + ?",
                "What is {a} + {b} ({b}x - {a})?", "What is {a} + {b}y?")
 
