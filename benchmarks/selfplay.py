@@ -347,6 +347,25 @@ def leaf_stats(verified: list[dict]) -> dict:
             for leaf, e in sorted(leaves.items())}
 
 
+def metric_leaves(lines: list[dict]) -> dict[int, dict]:
+    """WIST, per round, :func:`leaf_stats` from the posterior update's metrics line, whose tree rows
+    carry each drawn leaf's ``questions`` and ``mean_p_hat`` (``sptool.recipes.wist.round_leaves``)."""
+    out: dict[int, dict] = {}
+    for line in lines:
+        if line.get("kind") != "posterior-update" or not line.get("tree"):
+            continue
+        leaves: dict = {}
+        for node in line["tree"]:
+            if node.get("questions"):
+                entry = leaves.setdefault(node["label"], {"questions": 0, "p_hat_sum": 0.0})
+                entry["questions"] += node["questions"]
+                entry["p_hat_sum"] += node["questions"] * node["mean_p_hat"]
+        if leaves:
+            out[line["iteration"]] = {leaf: {"questions": e["questions"], "mean_p_hat": e["p_hat_sum"] / e["questions"]}
+                                      for leaf, e in sorted(leaves.items())}
+    return out
+
+
 def posterior_means(lines: list[dict]) -> dict:
     """WIST: the tree's nodes after each round's posterior update, ``{iteration: {label: mean}}``
     (the nodes at the deepest level of that tree: the leaves paths end at)."""
@@ -374,7 +393,11 @@ def run_summary(run_dir: Path, heldout_name: str) -> dict:
                if solver]
     iterations = sorted({line["iteration"] for line in lines if isinstance(line.get("iteration"), int)
                          and line["iteration"] > 0})
-    return {"evals": evals, "rounds": {str(i): round_stats(run_dir, i) for i in iterations},
+    rounds = {str(i): round_stats(run_dir, i) for i in iterations}
+    for i, leaves in metric_leaves(lines).items():  # WIST: when the round's verify file was not kept
+        if str(i) in rounds and not rounds[str(i)].get("leaves"):
+            rounds[str(i)]["leaves"] = leaves
+    return {"evals": evals, "rounds": rounds,
             "posterior": posterior_means(lines),
             "updates": [{k: v for k, v in u.items() if k in ("iteration", "stage", "step", "entropy", "loss",
                                                               "ratio_mean", "ratio_max", "clip_fraction",
@@ -542,12 +565,13 @@ def leaf_totals(result: dict) -> dict:
     return totals
 
 
-def later_share(result: dict, leaves: set) -> float | None:
-    """The share of an arm's graded questions, in the later half of its rounds, written from ``leaves``."""
+def later_share(result: dict, leaves: set, within: set | None = None) -> float | None:
+    """The share of an arm's graded questions, in the later half of its rounds, written from ``leaves``
+    (counting only the questions from ``within`` when given: the leaves both compared arms drew)."""
     rounds = sorted(result.get("rounds", {}), key=int)
     later = rounds[len(rounds) // 2:]
     counts = [(leaf in leaves, f["questions"]) for i in later
-              for leaf, f in (result["rounds"][i] or {}).get("leaves", {}).items()]
+              for leaf, f in (result["rounds"][i] or {}).get("leaves", {}).items() if within is None or leaf in within]
     return share(sum(n for inside, n in counts if inside), sum(n for _, n in counts))
 
 
@@ -696,15 +720,26 @@ def report(out: Path) -> str:
         pair = {r["arm"]: r for r in wist_rows if r["seed"] == seed}
         if set(pair) != {"wist", "wist-uniform"}:
             continue
-        # the leaves where the solver improved, as the uniform arm (which draws every leaf alike) saw them
-        improving = {leaf for leaf, t in leaf_totals(pair["wist-uniform"]).items()
-                     if t["first"] is not None and t["last"] is not None and t["last"] > t["first"]}
-        shares = {arm: later_share(pair[arm], improving) for arm in pair}
+        totals = {arm: leaf_totals(pair[arm]) for arm in pair}
+        missing = [arm for arm in pair if not totals[arm]]
+        if missing:  # e.g. a cut-short arm whose verify files were not kept, from a run before the metrics had them
+            verdicts[f"wist_seed_{seed}"] = {"met": None, "why": f"no per-leaf data for {', '.join(missing)}"}
+            lines.append(f"- WIST's later paths go to the leaves where the solver improved (seed {seed}): not "
+                         f"measurable, no per-leaf data for {', '.join(missing)}")
+            continue
+        # the leaves both arms drew (each arm grows its own tree), and among them those where the solver
+        # improved as the uniform arm (which draws every leaf alike) saw them
+        common = set(totals["wist"]) & set(totals["wist-uniform"])
+        improving = {leaf for leaf, t in totals["wist-uniform"].items() if leaf in common
+                     and t["first"] is not None and t["last"] is not None and t["last"] > t["first"]}
+        shares = {arm: later_share(pair[arm], improving, within=common) for arm in pair}
         ok = shares["wist"] is not None and shares["wist-uniform"] is not None and shares["wist"] > shares["wist-uniform"]
-        verdicts[f"wist_seed_{seed}"] = {"improving_leaves": sorted(improving), "later_share": shares, "met": ok}
+        verdicts[f"wist_seed_{seed}"] = {"improving_leaves": sorted(improving), "common_leaves": len(common),
+                                         "later_share": shares, "met": ok}
         lines.append(f"- WIST's later paths go to the leaves where the solver improved (seed {seed}; "
-                     f"{', '.join(sorted(improving)) or 'none'}): share of its questions there in the later half of "
-                     f"the rounds {fmt(shares['wist'])} against the uniform arm's {fmt(shares['wist-uniform'])}: "
+                     f"{', '.join(sorted(improving)) or 'none'}, of the {len(common)} leaves both arms drew): share "
+                     f"of its questions on those {len(common)} leaves that went there in the later half of the rounds "
+                     f"{fmt(shares['wist'])} against the uniform arm's {fmt(shares['wist-uniform'])}: "
                      f"{'met' if ok else 'not met'}")
     text = "\n".join(lines) + "\n"
     summary = {"settings": s, "start": {"greedy": start_acc, **{k: v for k, v in start_info.items() if k != "updates"}},

@@ -277,6 +277,13 @@ def test_scripted_recipe_runs_every_stage(recipe, scripted_run):
         tree = json.loads((run_dir / "tree.json").read_text())
         assert tree["applied"], "posterior update recorded observations in the tree"
         assert any(m.get("tree") for m in metrics if m["stage"] == "posterior-update")
+        # each drawn leaf's round in the metrics (round_leaves): its graded questions and mean p̂
+        for m in (m for m in metrics if m["stage"] == "posterior-update"):
+            graded = [r for r in read_jsonl(run_dir / f"iter-{m['iteration']:04d}" / "05-verify.jsonl")
+                      if r.get("p_hat") is not None]
+            rows = [row for row in m["tree"] if "questions" in row]
+            assert sum(row["questions"] for row in rows) == len(graded) > 0
+            assert all(0.0 <= row["mean_p_hat"] <= 1.0 for row in rows)
         assert list((run_dir / "pools").glob("*.jsonl")), "per-leaf pools are kept in the run dir"
     # --keep 1: one checkpoint per role is left
     for role_dir in (run_dir / "ckpt").iterdir():

@@ -187,7 +187,8 @@ def test_the_wist_arms_report_where_the_paths_go_against_the_uniform_control(tmp
     (tmp_path / "settings.json").write_text(json.dumps(selfplay.asdict(settings)))
     # round r: (leaf, p̂) of each graded question; Topology improves, Group theory does not
     rounds = {"wist": {1: [("Topology", 0.0), ("Group theory", 0.5)],
-                       2: [("Topology", 0.25), ("Topology", 0.5), ("Topology", 0.25), ("Group theory", 0.5)]},
+                       2: [("Topology", 0.25), ("Topology", 0.5), ("Topology", 0.25), ("Group theory", 0.5),
+                           ("Its own new leaf", 0.0), ("Its own new leaf", 0.0)]},
               "wist-uniform": {1: [("Topology", 0.0), ("Group theory", 0.5)],
                                2: [("Topology", 0.5), ("Group theory", 0.25)]}}
     for arm, by_round in rounds.items():
@@ -210,13 +211,35 @@ def test_the_wist_arms_report_where_the_paths_go_against_the_uniform_control(tmp
         write_jsonl(run / "metrics.jsonl", lines)
 
     text = selfplay.report(tmp_path)
-    assert "| wist | 1 | Topology | 4 (0.67) | 0.000 → 0.333 | 0.700 |" in text
+    assert "| wist | 1 | Topology | 4 (0.50) | 0.000 → 0.333 | 0.700 |" in text
     assert "| wist-uniform | 1 | Group theory | 2 (0.50) | 0.500 → 0.250 | 0.300 |" in text
-    # improving (as the uniform arm saw it): Topology; later half = round 2: wist 3/4 there, uniform 1/2
-    assert ("share of its questions there in the later half of the rounds 0.750 against the uniform arm's "
-            "0.500: met") in text
+    # improving (as the uniform arm saw it): Topology; later half = round 2: wist 3/4 there, uniform 1/2,
+    # counted on the leaves both arms drew (the leaf of WIST's own tree would make it 3/6)
+    assert ("Topology, of the 2 leaves both arms drew): share of its questions on those 2 leaves that went there "
+            "in the later half of the rounds 0.750 against the uniform arm's 0.500: met") in text
     summary = json.loads((tmp_path / "selfplay.json").read_text())
     assert summary["targets"]["wist_seed_1"]["improving_leaves"] == ["Topology"]
+    assert summary["targets"]["wist_seed_1"]["common_leaves"] == 2
+
+    # without the verify files the leaves come from the posterior update's metrics (round_leaves); an
+    # arm with neither has no verdict, where it used to read "not met"
+    for arm in rounds:
+        for verify in (tmp_path / "runs" / f"{arm}-s1").glob("iter-*/05-verify.jsonl"):
+            verify.unlink()
+    lines = selfplay.read_jsonl(tmp_path / "runs" / "wist-s1" / "metrics.jsonl")
+    for line in lines:
+        if line["kind"] == "posterior-update":
+            graded = rounds["wist"][line["iteration"]]
+            for node in line["tree"]:
+                mine = [p for leaf, p in graded if leaf == node["label"]]
+                if mine:
+                    node.update(questions=len(mine), mean_p_hat=sum(mine) / len(mine))
+    write_jsonl(tmp_path / "runs" / "wist-s1" / "metrics.jsonl", lines)
+    text = selfplay.report(tmp_path)
+    assert "| wist | 1 | Topology | 4 (0.67) | 0.000 → 0.333 | 0.700 |" in text  # the metrics' tree: 2 leaves
+    assert "not measurable, no per-leaf data for wist-uniform" in text
+    summary = json.loads((tmp_path / "selfplay.json").read_text())
+    assert summary["targets"]["wist_seed_1"]["met"] is None
 
 
 @pytest.mark.slow

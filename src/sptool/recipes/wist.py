@@ -126,12 +126,15 @@ class Wist(Recipe):
             self.tree = new_tree(self.c.domain, max_depth=self.c.max_depth, window_size=self.c.window,
                                  max_children=self.c.max_children)
 
-    def save_tree(self, ctx: StepContext, tree: dict) -> None:
+    def save_tree(self, ctx: StepContext, tree: dict, leaves: dict | None = None) -> None:
+        """The tree as the step's document; its nodes (mean, visits) in the step's metrics, with
+        ``leaves``' round figures (``questions``, ``mean_p_hat``) on the leaves they name."""
         from sptool.stages.tree import tree_rows
 
         self.tree = tree
+        leaves = leaves or {}
         summary = [{"id": row["id"], "label": row["label"], "depth": row["depth"], "mean": row["mean"],
-                    "visits": row["visits"]}
+                    "visits": row["visits"], **leaves.get(row["id"], {})}
                    for row in tree_rows(tree) if not row["is_unk"] and row["depth"] >= 1]
         ctx.save_document("tree", tree, summary)
 
@@ -212,8 +215,23 @@ class Wist(Recipe):
         stage = PosteriorUpdateStage(tree, rule=c.posterior_rule, tau_var=c.tau_var, sigma=c.sigma,
                                      rho=c.invalid_penalty)
         updated = ctx.run_stage(stage, records)
-        self.save_tree(ctx, tree)
+        self.save_tree(ctx, tree, round_leaves(tree, records))
         return [{"id": r.get("id"), "path_id": r.get("path_id"), "g": r.get("g")} for r in updated]
+
+
+def round_leaves(tree: dict, verified: list[dict]) -> dict[str, dict]:
+    """Per leaf node id, this round's graded questions and the solver's mean agreement p̂ with the
+    challenger's answers: what each leaf taught the solver, kept in ``metrics.jsonl`` (the round's
+    verify file is not always kept beside it)."""
+    sums: dict[str, list] = {}
+    for record in verified:
+        nodes = record.get("nodes") or tree["paths"].get(record.get("path_id"))
+        if not nodes or record.get("p_hat") is None:
+            continue
+        entry = sums.setdefault(nodes[-1], [0, 0.0])
+        entry[0] += 1
+        entry[1] += float(record["p_hat"])
+    return {leaf: {"questions": n, "mean_p_hat": total / n} for leaf, (n, total) in sums.items()}
 
 
 def _networks(c) -> list[str]:
