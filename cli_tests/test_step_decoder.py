@@ -295,9 +295,10 @@ def test_a_bf16_split_sampler_step_decodes_as_generate_and_compiles_to_one_graph
     """A bf16 sampler (bf16 autocast over split-rounded linears: ``--sampler bf16-split``, a run with
     ``train.weight_rounding = split``). A Llama layer's keys leave the rotary embedding in float32
     and its values leave ``v_proj`` in bf16; the static cache took one dtype and ``index_copy_``
-    failed, so eager step decoding fell back to generate. The cache layers cast what they store:
-    greedy tokens equal generate's under the same autocast, with the model's attention and with
-    grouped, and the compiled step with grouped attention (``aot_eager``) is one graph."""
+    failed, so eager step decoding fell back to generate (and eager generate over a static cache
+    failed). The cache layers cast what they store: greedy tokens equal generate's under the same
+    autocast, with the model's attention and with grouped, and over generate's static cache; the
+    compiled step with grouped attention (``aot_eager``) is one graph."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -318,6 +319,9 @@ def test_a_bf16_split_sampler_step_decodes_as_generate_and_compiles_to_one_graph
         for attention in ("model", "grouped"):
             step.decode_attention = attention
             assert tokens_of(step.generate(PROMPTS, 1, params)) == want, attention
+        static = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8,
+                                      static_cache=True, autocast=torch.bfloat16)  # generate over a static cache
+        assert tokens_of(static.generate(PROMPTS, 1, params)) == want
         assert step.decoder == "step" and step._step_proven, notes
         layers = next(iter(step._caches.values())).layers
         assert {type(layer) for layer in layers} == {casting_static_layer()}

@@ -86,8 +86,9 @@ def casting_static_layer():
 
         class CastingStaticLayer(StaticLayer):
             def update(self, key_states, value_states, *args, **kwargs):
-                if self.is_initialized:
-                    key_states, value_states = key_states.to(self.keys.dtype), value_states.to(self.values.dtype)
+                if not self.is_initialized:  # generate's first update: the keys' dtype, as StaticLayer
+                    self.lazy_initialization(key_states, value_states)
+                key_states, value_states = key_states.to(self.keys.dtype), value_states.to(self.values.dtype)
                 return super().update(key_states, value_states, *args, **kwargs)
 
         _CASTING_LAYER.append(CastingStaticLayer)
