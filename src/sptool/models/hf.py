@@ -244,14 +244,10 @@ class HFBackend:
         if fresh:
             while len(self._caches) >= MAX_CACHES:
                 self._caches.pop(next(iter(self._caches)))
-            cache = StaticCache(config=self.model.config, max_cache_len=length)
-            from transformers.cache_utils import StaticLayer
+            from sptool.models.step_decoder import cast_on_store
 
-            from sptool.models.step_decoder import casting_static_layer
-
-            for layer in cache.layers:  # under bf16 autocast a layer's keys are float32, its values bf16
-                if type(layer) is StaticLayer:
-                    layer.__class__ = casting_static_layer()
+            # under bf16 autocast a layer's keys are float32 and its values bf16: the layers cast
+            cache = cast_on_store(StaticCache(config=self.model.config, max_cache_len=length))
         else:
             cache.reset()
         self._caches[key] = cache

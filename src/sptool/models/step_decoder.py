@@ -33,6 +33,7 @@ raises falls back too: either way the backend logs one line and uses ``generate`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -65,34 +66,42 @@ def unsupported(model, cache) -> str | None:
     layers = getattr(cache, "layers", None)
     if not layers:
         return "its static cache has no layers"
-    odd = sorted({type(layer).__name__ for layer in layers
-                  if type(layer) is not StaticLayer and type(layer) is not casting_static_layer()})
+    plain = (StaticLayer, casting_static_layer())
+    odd = sorted({type(layer).__name__ for layer in layers if type(layer) not in plain})
     if odd:
         return f"cache layers of type {', '.join(odd)} (only full attention is step-decoded)"
     return None
 
 
-_CASTING_LAYER: list = []
-
-
+@functools.cache
 def casting_static_layer():
     """:class:`transformers.cache_utils.StaticLayer` whose ``update`` first casts the new keys and
     values to the cache's dtype. Under autocast a Llama layer's keys leave the rotary embedding in
     the residual stream's float32 while its values leave ``v_proj`` in bf16, and ``index_copy_``
     takes one dtype: eager decoding failed (inductor cast silently). The cache is made in the
     sampler's dtype (:meth:`StepDecoder.prefill`): a bf16 sampler's holds bf16 keys and values."""
-    if not _CASTING_LAYER:
-        from transformers.cache_utils import StaticLayer
+    from transformers.cache_utils import StaticLayer
 
-        class CastingStaticLayer(StaticLayer):
-            def update(self, key_states, value_states, *args, **kwargs):
-                if not self.is_initialized:  # generate's first update: the keys' dtype, as StaticLayer
-                    self.lazy_initialization(key_states, value_states)
-                key_states, value_states = key_states.to(self.keys.dtype), value_states.to(self.values.dtype)
-                return super().update(key_states, value_states, *args, **kwargs)
+    class CastingStaticLayer(StaticLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:  # generate's first update: the keys' dtype, as StaticLayer
+                self.lazy_initialization(key_states, value_states)
+            key_states, value_states = key_states.to(self.keys.dtype), value_states.to(self.values.dtype)
+            return super().update(key_states, value_states, *args, **kwargs)
 
-        _CASTING_LAYER.append(CastingStaticLayer)
-    return _CASTING_LAYER[0]
+    return CastingStaticLayer
+
+
+def cast_on_store(cache):
+    """``cache`` (a :class:`transformers.StaticCache`) with its full-attention layers made casting
+    layers (:func:`casting_static_layer`): the hf backend makes every static cache so, for
+    ``generate`` and the step decoder alike."""
+    from transformers.cache_utils import StaticLayer
+
+    for layer in cache.layers:
+        if type(layer) is StaticLayer:
+            layer.__class__ = casting_static_layer()
+    return cache
 
 
 @dataclass
@@ -176,15 +185,14 @@ class StepDecoder:
                             past_key_values=prompt_cache, use_cache=True, logits_to_keep=1)
         length = input_ids.shape[1]
         rows = row_map.shape[0]
-        casting = casting_static_layer()
         device_type = input_ids.device.type
         # the cache in the sampler's dtype: autocast's (a bf16 sampler keeps a bf16 cache, half the
-        # bytes to hold and to read each step), else the model's
+        # bytes to hold and to read each step), else the model's; its layers cast what they store
+        # (the backend's caches are cast_on_store's)
         cache_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         for layer, source in zip(cache.layers, prompt_cache.layers):
             keys, values = source.keys, source.values
             if not layer.is_initialized:
-                layer.__class__ = casting  # a StaticLayer (see unsupported) that casts what it stores
                 dtype = cache_dtype or keys.dtype
                 layer.lazy_initialization(keys.new_empty((rows, *keys.shape[1:]), dtype=dtype),
                                           values.new_empty((rows, *values.shape[1:]), dtype=dtype))
