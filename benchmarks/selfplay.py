@@ -101,6 +101,10 @@ class Settings:
     # R-Quest's novelty gate on sums: "repeat" (only a repeated question is the same) or "template"
     # (numbers masked, similarity >= 0.6, runs 1-6: every sum is one task type, so no sum was novel)
     rquest_novelty: str = "repeat"
+    # WIST's domain: "arithmetic" (leaves from one-digit sums to two-digit products, local pages) or
+    # "mathematics" (the packaged tree and sample pages: run 4, where g was 1 for 2-12% of questions)
+    wist_domain: str = "arithmetic"
+    wist_data: str = ""  # the arithmetic domain's tree, titles and pages (OUT/data/arithmetic)
     model: str = "tiny"
     validity_init: str = ""  # R-Quest's validity-initialisation set (OUT/data/, see validity_init_set)
     train: str = str(ROOT / "fixtures/addition_train.jsonl")
@@ -186,15 +190,128 @@ def arm_plan(arm: str, s: Settings, start: str) -> tuple[str, int, dict]:
 
 
 def wist_sets(s: Settings) -> dict:
-    """WIST at this scale: the packaged tree, titles and pages (offline), ``questions`` paths of
-    G = K = ``samples``, as many completions per update as make ``solver_steps`` updates a round."""
+    """WIST at this scale: the domain's tree, titles and pages (offline: ``--wist-domain``), ``questions``
+    paths of G = K = ``samples``, as many completions per update as make ``solver_steps`` updates a round."""
     paths = s.questions if s.cuda else 2
     completions = paths * 2 * s.samples  # challenger candidates + solver samples of the drawn QAs, at most
+    if s.wist_domain == "arithmetic":
+        data = Path(s.wist_data)
+        domain = {"tree": str(data / "tree.json"), "titles": str(data / "titles.txt"),
+                  "search": f"local:{data / 'pages.jsonl'}", "query_from": "leaf",
+                  "min_question_chars": 12}  # Γ's default 20 refused "What is 89 + 14?" (16)
+        # the reply starts inside "<question>What is " (as R-Zero's sums questioner): the 135M model
+        # copied documents-short's example question about hexagons onto the arithmetic pages
+        challenger = {"prompts.challenger": str(data / "challenger.txt"), "prompts.challenger_prefix": "<question>What is ",
+                      "prompts.challenger_stop": ["?", "</question>"],
+                      "prompts.challenger_answer_prefix": "</question>\n\\boxed{",
+                      "prompts.challenger_answer_stop": ["}"], "prompts.challenger_answer_max_tokens": 8}
+    else:  # run 4: the packaged mathematics tree and sample pages
+        domain = {"tree": "package:tree.json", "titles": "package:titles.txt", "search": "local:package:web",
+                  "query_from": "path"}
+        challenger = {"prompts.challenger": "documents-short"}
     return {f"wist.{key}": value for key, value in {
-        "tree": "package:tree.json", "titles": "package:titles.txt", "search": "local:package:web",
-        "query_from": "path", "encoder": "none", "min_chars": 200, "paths": paths, "candidates": s.samples,
+        **domain, "encoder": "none", "min_chars": 200, "paths": paths, "candidates": s.samples,
         "samples": s.samples, "max_document_chars": 600, "expand_max_tokens": 16, "max_attempts": 1,
-        "train_batch": -(-completions // s.solver_steps)}.items()} | {"prompts.challenger": "documents-short"}
+        "train_batch": -(-completions // s.solver_steps)}.items()} | challenger
+
+
+#: WIST's arithmetic domain (``--wist-domain arithmetic``): leaf → (operation, digits of a, digits
+# of b), from what the start answers to what it cannot. On run 4's mathematics tree the 135M solver
+# agreed with the challenger on 2-15% of its samples on every leaf, so g = 1(p̂(1 − p̂) ≥ τ_var) was
+# 1 for 2-12% of questions and every posterior stayed near Beta(1, 6): nothing to steer by. Here the
+# leaves span the learnability band, and the held-out kind (two-digit sums) is one leaf among nine
+ARITHMETIC_LEAVES = {
+    "Addition": {"One-digit addition": ("+", 1, 1), "Two-digit addition": ("+", 2, 2),
+                 "Three-digit addition": ("+", 3, 3)},
+    "Subtraction": {"One-digit subtraction": ("-", 1, 1), "Two-digit subtraction": ("-", 2, 2),
+                    "Three-digit subtraction": ("-", 3, 3)},
+    "Multiplication": {"Multiplication table": ("*", 1, 1), "Multiplying by one digit": ("*", 2, 1),
+                       "Two-digit multiplication": ("*", 2, 2)},
+}
+#: the arithmetic challenger's prompt: its example is a division, a kind no leaf has, so a copied
+# example is told apart from a question about the page
+ARITHMETIC_CHALLENGER = """Read the text below, then write one arithmetic question that uses numbers from it, and its answer.
+
+Example:
+Text: Division. Dividing splits a number into equal parts. For example, 84 divided by 4 is 21.
+<question>What is 84 / 4?</question>
+\\boxed{21}
+
+Text: {text}
+"""
+PAGES_PER_LEAF = 10  # = corpus fetch's results per query: a leaf's search returns its own pages
+OPERATION_WORDS = {"+": ("plus", "add", "sum"), "-": ("minus", "subtract", "difference"),
+                   "*": ("times", "multiply", "product")}
+
+
+def arithmetic_page(leaf: str, operation: str, digits: tuple[int, int], rng, exclude: set) -> str:
+    """One page of ``leaf``: what the operation is, then worked examples in words and symbols, none of
+    them a pair of ``exclude`` (the held-out sums): what a textbook page on the topic says."""
+    word, verb, noun = OPERATION_WORDS[operation]
+    intro = rng.choice([
+        f"{leaf} is a topic of elementary arithmetic. To {verb} two numbers, work from the ones digit to the left.",
+        f"This page is about {leaf.lower()}. The {noun} of two numbers is found one digit at a time, from the right.",
+        f"In {leaf.lower()}, we {verb} a number with {digits[0]} digits and a number with {digits[1]} digits.",
+    ])
+    sentences = [f"{leaf}.", intro, "Here are some worked examples."]
+    while len(sentences) < 9:
+        a = rng.randint(10 ** (digits[0] - 1) if digits[0] > 1 else 1, 10 ** digits[0] - 1)
+        b = rng.randint(10 ** (digits[1] - 1) if digits[1] > 1 else 1, 10 ** digits[1] - 1)
+        if operation == "-" and b > a:
+            a, b = b, a
+        if (operation, a, b) in exclude:
+            continue
+        value = {"+": a + b, "-": a - b, "*": a * b}[operation]
+        sentences.append(rng.choice([
+            f"For example, {a} {word} {b} is {value}.",
+            f"If we {verb} {a} and {b}, the answer is {value}, so {a} {operation} {b} = {value}.",
+            f"The {noun} of {a} and {b} is {value}.",
+            f"What is {a} {operation} {b}? It is {value}.",
+        ]))
+    sentences.append(rng.choice(["Check each answer by working it out again.",
+                                 "With practice, these become quick to do in your head.",
+                                 "A calculator gives the same results."]))
+    return " ".join(sentences)
+
+
+def arithmetic_domain(out: Path, heldout: str) -> str:
+    """WIST's arithmetic domain, written once to ``OUT/data/arithmetic/``: the tree (Arithmetic → three
+    operations → three leaves each, as many children as ``max_children``, so the tree is the given
+    curriculum and no unk is drawn), its titles, ``PAGES_PER_LEAF`` pages per leaf as a local corpus
+    (``pages.jsonl``) and the challenger's prompt. No page holds a held-out sum, in either order."""
+    from sptool.stages.tree.document import add_node, new_tree, save_tree
+
+    target = out / "data" / "arithmetic"
+    if (target / "pages.jsonl").is_file():
+        return str(target)
+    import random
+
+    held = set()
+    for record in read_jsonl(Path(heldout)):
+        match = SUM.match(record.get("question", ""))
+        if match:
+            a, b = int(match.group(1)), int(match.group(2))
+            held |= {("+", a, b), ("+", b, a)}
+    tree = new_tree("Arithmetic", max_depth=3, max_children=3, children=list(ARITHMETIC_LEAVES))
+    domain_id = tree["nodes"][tree["root"]]["children"][0]
+    rng = random.Random(0)
+    pages, titles = [], ["Arithmetic", *ARITHMETIC_LEAVES]
+    for operation_id in list(tree["nodes"][domain_id]["children"]):
+        node = tree["nodes"][operation_id]
+        if node["is_unk"]:
+            continue
+        for leaf, (operation, a_digits, b_digits) in ARITHMETIC_LEAVES[node["label"]].items():
+            add_node(tree, operation_id, leaf, evidence={"source": "init"})
+            titles.append(leaf)
+            for number in range(1, PAGES_PER_LEAF + 1):
+                pages.append({"title": leaf, "url": f"https://arithmetic.example/{leaf.lower().replace(' ', '-')}/{number}",
+                              "text": arithmetic_page(leaf, operation, (a_digits, b_digits), rng, held)})
+    target.mkdir(parents=True, exist_ok=True)
+    save_tree(tree, target / "tree.json")
+    (target / "titles.txt").write_text("".join(t + "\n" for t in titles), encoding="utf-8")
+    (target / "challenger.txt").write_text(ARITHMETIC_CHALLENGER, encoding="utf-8")
+    (target / "pages.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pages), encoding="utf-8")
+    return str(target)
 
 
 def sptool_run(recipe: str, run_dir: Path, iterations: int, sets: dict, seed: int, label: str) -> None:
@@ -782,6 +899,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="R-Quest's novelty gate: repeat (only a repeated question is the same: on a task of one "
                         "template the paper's same-type gate finds every sum the same type and pays nothing; the "
                         "default) or template (numbers masked, similarity >= 0.6: runs 1-6)")
+    parser.add_argument("--wist-domain", default="arithmetic", choices=("arithmetic", "mathematics"),
+                        help="the WIST arms' domain: arithmetic (nine leaves from one-digit sums to two-digit "
+                        "products, 10 local pages each, no held-out sum: the solver's agreement with the "
+                        "challenger spreads over the learnability band; the default) or mathematics (the "
+                        "packaged tree and sample pages, run 4: g was 1 on 2-12%% of questions)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--start", default=None, help="a start checkpoint (skips making one)")
     parser.add_argument("--parallel", type=int, default=None, help="arms at once (default: 4 on cuda, 1 on cpu; "
@@ -815,10 +937,12 @@ def main(argv=None) -> int:
         raise SystemExit(f"--format-weight: expected a number in [0, 1], got {args.format_weight}")
     s = Settings(device=device, lr=args.lr, model=args.model, gen_batch=args.gen_batch, band=band, decoder=args.decoder,
                  decode_attention=args.decode_attention, mixed_precision=args.mixed_precision,
-                 format_weight=args.format_weight, rquest_novelty=args.rquest_novelty,
+                 format_weight=args.format_weight, rquest_novelty=args.rquest_novelty, wist_domain=args.wist_domain,
                  **{**defaults(device), **given})
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"selfplay-{device.split(':')[0]}").resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if s.wist_domain == "arithmetic":
+        s.wist_data = arithmetic_domain(out, s.heldout)  # the whole held-out set, before any subset
     s.heldout = heldout_subset(s, out)
     s.validity_init = validity_init_set(out)
     if not args.worker:

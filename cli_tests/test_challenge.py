@@ -164,6 +164,42 @@ def test_documents_mode_tagged_reply_in_two_phases():
     assert [len(call) for call in backend.calls] == [1, 2]   # the question phase, then both answers
 
 
+def test_documents_mode_shortest_question_is_a_setting(tmp_path):
+    """``wist.min_question_chars``: Γ refuses "What is 89 + 14?" (16 characters) by default and takes
+    it at 12, from a prompt file whose reply starts inside "<question>What is " with an answer step
+    (the arithmetic WIST domain of ``benchmarks/selfplay.py``); the run config carries the step."""
+    from sptool.prompts import load_prompt, prompt_spec
+    from sptool.recipes import resolve_prompts, schema_for
+
+    template = tmp_path / "challenger.txt"
+    template.write_text("Write one question about: {text}\n", encoding="utf-8")
+    config = {"recipe": "wist", "prompts": {**schema_for("wist")["prompts"], "challenger": str(template),
+                                            "challenger_prefix": "<question>What is ", "challenger_stop": ["?"],
+                                            "challenger_answer_prefix": "</question>\n\\boxed{",
+                                            "challenger_answer_stop": ["}"], "challenger_answer_max_tokens": 8}}
+    resolve_prompts(config)
+    spec = prompt_spec(config, "challenger")
+    assert (spec.prefix, spec.answer_prefix, spec.answer_max_tokens) == ("<question>What is ", "</question>\n\\boxed{", 8)
+    assert config["prompts"]["challenger_answer_stop"] == ["}"]
+    # a packaged prompt's own answer step is written into the config as the questioner's is
+    packaged = {"recipe": "wist", "prompts": schema_for("wist")["prompts"] | {"challenger": "documents-short"}}
+    resolve_prompts(packaged)
+    assert packaged["prompts"]["challenger_answer_prefix"] == load_prompt("challenger", "documents-short").answer_prefix
+
+    def responder(prompt_text: str, index: int) -> str:
+        return "103}" if prompt_text.rstrip().endswith("\\boxed{") else "89 + 14?"
+
+    documents = read_jsonl(DOCUMENTS)[:1]
+    verdicts = {}
+    for shortest in (20, 12):
+        stage = DocumentChallengeStage(ScriptedBackend(responder=responder), candidates=1, prompt=spec,
+                                       params=SamplingParams(max_new_tokens=16), min_question_chars=shortest)
+        (record,) = stage.run(iter(documents))
+        assert (record["question"], record["answer"]) == ("What is 89 + 14?", "103")
+        verdicts[shortest] = (record["valid"], record["invalid_reason"])
+    assert verdicts == {20: (False, "question too short"), 12: (True, None)}
+
+
 def test_documents_mode_keeps_all_candidates_with_lineage():
     documents = read_jsonl(DOCUMENTS)
     backend = ScriptedBackend(outputs=[GOOD_QA, "I don't know", DOC_QA])

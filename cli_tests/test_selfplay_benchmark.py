@@ -5,6 +5,7 @@ round from it). The figures that matter are the GPU's (``benchmarks/results/self
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -274,3 +275,53 @@ def test_a_well_posed_question_is_closed_arithmetic_on_numbers():
     for flawed in ("What is 32 + 42 (10x-32)?", "What is 2 + ?", "What is x + 9?", "What is 1 / 0?",
                    "What is 10^1000?", "What is ?", "What is 4 + 4", "Name a colour?", None):
         assert truth(flawed) is None, flawed
+
+
+def test_wists_arithmetic_domain_gives_each_leaf_its_own_pages_and_no_held_out_sum(tmp_path):
+    """``--wist-domain arithmetic``: nine leaves, the tree a fixed curriculum (every path ends at a leaf,
+    no unk drawn, by either path rule); the real corpus fetch (local search, cleaning, language and
+    length checks, near-duplicates) keeps all ten pages of each leaf and only that leaf's; no page
+    holds a held-out sum in either order, and the WIST arms read these files."""
+    import numpy as np
+
+    from sptool.stages.corpus.fetch import Fetcher
+    from sptool.stages.corpus.policy import load_policy
+    from sptool.stages.corpus.search import load_search
+    from sptool.stages.corpus.stage import CorpusFetchStage
+    from sptool.stages.tree.document import load_tree, thompson_sample_path
+
+    heldout = REPO / "fixtures" / "bench" / "addition_heldout_300.jsonl"
+    data = selfplay.arithmetic_domain(tmp_path, str(heldout))
+    tree = load_tree(f"{data}/tree.json")
+    leaves = {tree["nodes"][i]["label"] for i in tree["nodes"] if tree["nodes"][i]["depth"] == 3
+              and not tree["nodes"][i]["is_unk"]}
+    assert leaves == {leaf for group in selfplay.ARITHMETIC_LEAVES.values() for leaf in group}
+    rng = np.random.default_rng(0)
+    for rule in ("thompson", "uniform"):
+        for _ in range(50):
+            path = thompson_sample_path(tree, rng, rule=rule)
+            assert tree["nodes"][path[-1]]["label"] in leaves and len(path) == 3, path
+
+    stage = CorpusFetchStage(load_search(f"local:{data}/pages.jsonl"), Fetcher(load_policy(None)), encoder=None,
+                             query_from="leaf", min_chars=200)
+    documents = list(stage.process(iter([{"path_id": leaf, "leaf": leaf} for leaf in sorted(leaves)])))
+    assert Counter(d["leaf"] for d in documents) == {leaf: selfplay.PAGES_PER_LEAF for leaf in leaves}
+    assert all(d["title"] == d["leaf"] for d in documents)  # each leaf's search found its own pages
+    assert not stage.stats.dropped  # none too short, off-language, near-duplicate
+
+    held = set()
+    for line in heldout.read_text().splitlines():
+        a, b = map(int, selfplay.SUM.match(json.loads(line)["question"]).groups())
+        held |= {(a, b), (b, a)}
+    written = set()
+    for document in documents:
+        for groups in re.findall(r"(\d+) (?:plus|\+) (\d+)|(?:add|sum of) (\d+) and (\d+)", document["text"]):
+            written.add((int(groups[0]), int(groups[1])) if groups[0] else (int(groups[2]), int(groups[3])))
+    assert len(written) > 100 and not written & held
+
+    settings = selfplay.Settings(device="cuda", lr=1e-5, wist_data=data, **selfplay.defaults("cuda"))
+    sets = selfplay.arm_plan("wist-uniform", settings, "START")[2]
+    assert sets["wist.tree"] == f"{data}/tree.json" and sets["wist.search"] == f"local:{data}/pages.jsonl"
+    assert sets["wist.path_rule"] == "uniform" and sets["wist.query_from"] == "leaf"
+    run4 = selfplay.Settings(device="cuda", lr=1e-5, wist_domain="mathematics", **selfplay.defaults("cuda"))
+    assert selfplay.arm_plan("wist", run4, "START")[2]["wist.tree"] == "package:tree.json"

@@ -75,6 +75,9 @@ ROLES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "tree": ("the topic-tree expansion (tree expand; WIST)", (), "expand"),
 }
 
+#: roles whose reply may have an answer step (``ROLE_answer_prefix`` …): the question, then its answer
+ANSWER_ROLES = ("questioner", "challenger")
+
 PACKAGED: dict[str, dict[str, Packaged]] = {
     "solve": {
         "math": Packaged("solve_math.txt", "reason step by step, final answer in \\boxed{}"),
@@ -250,13 +253,13 @@ def load_prompt(role: str, name_or_path: str | None = None, *, prefix: str | Non
 
 def prompt_spec(config: dict, role: str) -> PromptSpec:
     """The :class:`PromptSpec` of ``role`` that a run's ``config['prompts']`` section describes
-    (per role: the prompt, ``ROLE_prefix``, ``ROLE_stop``; the questioner's answer step too)."""
+    (per role: the prompt, ``ROLE_prefix``, ``ROLE_stop``; the answer step of ``ANSWER_ROLES`` too)."""
     p = config["prompts"]
     options: dict[str, Any] = dict(prefix=p[f"{role}_prefix"] or None, stop=p[f"{role}_stop"] or None)
-    if role == "questioner":
-        options.update(answer_prefix=p["questioner_answer_prefix"] or None,
-                       answer_stop=p["questioner_answer_stop"] or None,
-                       answer_max_tokens=p["questioner_answer_max_tokens"] or None)
+    if role in ANSWER_ROLES:
+        options.update(answer_prefix=p.get(f"{role}_answer_prefix") or None,
+                       answer_stop=p.get(f"{role}_answer_stop") or None,
+                       answer_max_tokens=p.get(f"{role}_answer_max_tokens") or None)
     try:
         return load_prompt(role, p[role], **options)
     except UsageError as exc:

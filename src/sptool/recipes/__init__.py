@@ -42,31 +42,30 @@ def prompts_schema(recipe: str) -> dict[str, Any]:
     """The ``[prompts]`` section of ``recipe``: per prompt role it asks a model in (the recipe
     class's ``prompt_roles``), the prompt (a packaged name or a template file), the response prefix
     and the stop strings; an empty prefix or stop list means the prompt's own."""
-    from sptool.prompts import default_prompt
+    from sptool.prompts import ANSWER_ROLES, default_prompt
 
     section: dict[str, Any] = {}
     for role in RECIPES.get(recipe).prompt_roles:
         section[role] = default_prompt(role)
         section[f"{role}_prefix"] = ""
         section[f"{role}_stop"] = []
-        if role == "questioner":  # the optional answer step (see sptool.prompts)
-            section.update(questioner_answer_prefix="", questioner_answer_stop=[],
-                           questioner_answer_max_tokens=0)
+        if role in ANSWER_ROLES:  # the optional answer step (see sptool.prompts)
+            section.update({f"{role}_answer_prefix": "", f"{role}_answer_stop": [], f"{role}_answer_max_tokens": 0})
     return section
 
 
 def resolve_prompts(config: dict) -> None:
     """Check every role's prompt and write the prefix and stop strings it uses into the config
     (a packaged prompt's own where the keys are empty), so the run records what it used."""
-    from sptool.prompts import prompt_spec
+    from sptool.prompts import ANSWER_ROLES, prompt_spec
 
     p = config["prompts"]
     for role in RECIPES.get(config["recipe"]).prompt_roles:
         spec = prompt_spec(config, role)
         p[f"{role}_prefix"], p[f"{role}_stop"] = spec.prefix, list(spec.stop)
-        if role == "questioner":
-            p.update(questioner_answer_prefix=spec.answer_prefix, questioner_answer_stop=list(spec.answer_stop),
-                     questioner_answer_max_tokens=spec.answer_max_tokens if spec.answer_prefix else 0)
+        if role in ANSWER_ROLES:
+            p.update({f"{role}_answer_prefix": spec.answer_prefix, f"{role}_answer_stop": list(spec.answer_stop),
+                      f"{role}_answer_max_tokens": spec.answer_max_tokens if spec.answer_prefix else 0})
 
 
 def schema_for(recipe: str) -> dict[str, dict[str, Any]]:

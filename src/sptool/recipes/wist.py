@@ -23,6 +23,7 @@ from sptool.stages import tree as T
 from sptool.stages.corpus.similarity import DEFAULT_TAU_EMB
 from sptool.filter.wist import WistFilter, WistOptions
 from sptool.prompts import MAX_DOCUMENT_CHARS
+from sptool.stages.challenge.gamma import MIN_QUESTION_CHARS
 from sptool.recipes.base import Recipe
 from sptool.run.steps import Step, StepContext
 from sptool.settings import setting
@@ -74,6 +75,8 @@ class WistConfig(WistOptions):
     allow_networks: str = setting("", "comma-separated CIDR blocks a configured wiki_url/search_url may "
                                   "be on although link-local/metadata (e.g. 169.254.0.0/16); empty: none")
     max_document_chars: int = setting(MAX_DOCUMENT_CHARS, "document characters shown to the challenger", minimum=1)
+    min_question_chars: int = setting(MIN_QUESTION_CHARS, "the validator Γ's shortest question (characters; "
+                                      "'What is 89 + 14?' has 16)", "WIST Eq. 11", minimum=1)
     expand_max_tokens: int = setting(32, "new tokens per proposed node label", minimum=1)
     max_attempts: int = setting(_EXPAND.max_attempts, "proposal rounds per unk choice before giving up",
                                 minimum=1)
@@ -203,6 +206,7 @@ class Wist(Recipe):
                                        params=self.session.params(ctx.seed, logprobs=True),
                                        batch_size=self.settings.generation.prompts_per_call,
                                        max_document_chars=self.c.max_document_chars,
+                                       min_question_chars=self.c.min_question_chars,
                                        prompt=self.session.prompt("challenger"))
         return ctx.run_stage(stage, records)
 

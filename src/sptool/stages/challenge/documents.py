@@ -7,6 +7,7 @@ from typing import Iterator
 from sptool.models.base import Backend
 from sptool.prompts import MAX_DOCUMENT_CHARS
 from sptool.core.records import Field, RecordKind, _non_empty, content_id, ensure_id, iter_chunks
+from sptool.stages.challenge.gamma import MIN_QUESTION_CHARS
 from sptool.stages.challenge.parsing import check_challenger_output, check_tagged_challenger_output
 from sptool.stages.challenge.generating import _GeneratingStage, _sample_fields
 
@@ -27,9 +28,10 @@ class DocumentChallengeStage(_GeneratingStage):
     input_kind = DOCUMENT
     role = "challenger"
 
-    def __init__(self, backend: Backend, *, max_document_chars: int = MAX_DOCUMENT_CHARS, **options):
+    def __init__(self, backend: Backend, *, max_document_chars: int = MAX_DOCUMENT_CHARS,
+                 min_question_chars: int = MIN_QUESTION_CHARS, **options):
         super().__init__(backend, **options)
-        self.max_document_chars = max_document_chars
+        self.max_document_chars, self.min_question_chars = max_document_chars, min_question_chars
 
     def prompt_for(self, document: dict) -> list[dict[str, str]]:
         text = document["text"]
@@ -49,8 +51,9 @@ class DocumentChallengeStage(_GeneratingStage):
                 for index, sample in enumerate(samples):
                     record = {"id": content_id(group_id, index, sample.text), "origin": "challenger",
                               "group_id": group_id, "candidate_index": index,
-                              **(check_tagged_challenger_output(sample.text) if self.prompt.answer_prefix
-                                 else check_challenger_output(sample.text)),
+                              **(check_tagged_challenger_output(sample.text, min_question_chars=self.min_question_chars)
+                                 if self.prompt.answer_prefix
+                                 else check_challenger_output(sample.text, min_question_chars=self.min_question_chars)),
                               **_sample_fields(sample), "challenger_prompt": prompt,
                               "doc_id": doc_id, "path_id": document.get("path_id"),
                               "leaf": document.get("leaf"), "generator_model": self.model_id}

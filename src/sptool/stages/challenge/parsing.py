@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 from sptool.core.records import answer_text
 from sptool.stages.verify import last_boxed
-from sptool.stages.challenge.gamma import MULTIPLE_CHOICE_LETTERS, gamma_validate, option_letters
+from sptool.stages.challenge.gamma import MIN_QUESTION_CHARS, MULTIPLE_CHOICE_LETTERS, gamma_validate, option_letters
 
 
 # ---------------------------------------------------------------- parsing completions
@@ -112,14 +112,14 @@ def challenger_fields(obj: dict) -> tuple[Any, Any, Any]:
     return question, answer, answer_type
 
 
-def check_challenger_output(text: str) -> dict[str, Any]:
+def check_challenger_output(text: str, *, min_question_chars: int = MIN_QUESTION_CHARS) -> dict[str, Any]:
     """Parse and validate one Challenger completion → question fields with ``valid``/``invalid_reason``."""
     obj, problem = parse_challenger_json(text)
     if obj is None:
         return {"question": None, "answer": None, "answer_type": None, "valid": False,
                 "invalid_reason": problem}
     question, answer, answer_type = challenger_fields(obj)
-    valid, reason = gamma_validate(question, answer, answer_type)
+    valid, reason = gamma_validate(question, answer, answer_type, min_question_chars=min_question_chars)
     return {"question": question.strip() if isinstance(question, str) else None,
             "answer": answer_text(answer) if isinstance(answer, (str, int, float))
             and not isinstance(answer, bool) else None,
@@ -127,13 +127,13 @@ def check_challenger_output(text: str) -> dict[str, Any]:
             "valid": valid, "invalid_reason": reason}
 
 
-def check_tagged_challenger_output(text: str) -> dict[str, Any]:
+def check_tagged_challenger_output(text: str, *, min_question_chars: int = MIN_QUESTION_CHARS) -> dict[str, Any]:
     """A Challenger completion in the questioner's tagged format (``<question>…</question>``
     then ``\\boxed{answer}``, the packaged ``documents-short`` prompt) → the same fields as
     :func:`check_challenger_output`, validated by Γ as a free-form answer."""
     question, answer, reason = parse_questioner_output(text)
     if reason is None:
-        valid, reason = gamma_validate(question, answer, "free_form")
+        valid, reason = gamma_validate(question, answer, "free_form", min_question_chars=min_question_chars)
     else:
         valid = False
     return {"question": question.strip() if isinstance(question, str) else None,
