@@ -27,9 +27,11 @@ checkpoint, as a check that the two graders agree.
    - ``rlvr``: the same number of solver updates with the true labels (the upper line);
    - ``svs``: SvS, labels for the originals, variational problems from the solver's own correct
      answers; compared with ``rlvr`` on pass@k and the policy's entropy;
-   - ``wist``: WIST from the start: the packaged domain tree, titles and offline pages
-     (``local:package:web``), the challenger writing a question from a page, the solver's
-     agreement with it as the learnability that updates the leaves' posteriors;
+   - ``wist``: WIST from the start on ``--wist-domain``: ``arithmetic`` (nine leaves from one-digit
+     sums to two-digit products, ten local pages each, written to ``OUT/data/arithmetic/``) or
+     ``mathematics`` (the packaged tree, titles and offline pages, ``local:package:web``: run 4); the
+     challenger writing a question from a page, the solver's agreement with it as the learnability
+     that updates the leaves' posteriors;
    - ``wist-uniform``: its control, paths drawn with every child equally likely
      (``wist.path_rule=uniform``): does the posterior send the paths where the solver improves?
    - ``start``: the start evaluated again (greedy: the same number every time; it is the line the
