@@ -851,6 +851,12 @@ def report(out: Path) -> str:
         common = set(totals["wist"]) & set(totals["wist-uniform"])
         improving = {leaf for leaf, t in totals["wist-uniform"].items() if leaf in common
                      and t["first"] is not None and t["last"] is not None and t["last"] > t["first"]}
+        if not improving:  # the shares are then 0 in both arms, and a verdict would follow by construction
+            verdicts[f"wist_seed_{seed}"] = {"improving_leaves": [], "common_leaves": len(common), "met": None,
+                                             "why": "the solver improved on no leaf both arms drew"}
+            lines.append(f"- WIST's later paths go to the leaves where the solver improved (seed {seed}): not "
+                         f"measurable, the uniform arm's p̂ rose on none of the {len(common)} leaves both arms drew")
+            continue
         shares = {arm: later_share(pair[arm], improving, within=common) for arm in pair}
         ok = shares["wist"] is not None and shares["wist-uniform"] is not None and shares["wist"] > shares["wist-uniform"]
         verdicts[f"wist_seed_{seed}"] = {"improving_leaves": sorted(improving), "common_leaves": len(common),

@@ -222,6 +222,16 @@ def test_the_wist_arms_report_where_the_paths_go_against_the_uniform_control(tmp
     assert summary["targets"]["wist_seed_1"]["improving_leaves"] == ["Topology"]
     assert summary["targets"]["wist_seed_1"]["common_leaves"] == 2
 
+    # where the uniform arm's p̂ rose on no shared leaf, both shares are 0 by construction: no verdict
+    uniform_round_2 = tmp_path / "runs" / "wist-uniform-s1" / "iter-0002" / "05-verify.jsonl"
+    kept = uniform_round_2.read_text()
+    write_jsonl(uniform_round_2, [{"leaf": "Topology", "p_hat": 0.0, "question": "q", "valid": True},
+                                  {"leaf": "Group theory", "p_hat": 0.25, "question": "q", "valid": True}])
+    text = selfplay.report(tmp_path)
+    assert "not measurable, the uniform arm's p̂ rose on none of the 2 leaves both arms drew" in text
+    assert json.loads((tmp_path / "selfplay.json").read_text())["targets"]["wist_seed_1"]["met"] is None
+    uniform_round_2.write_text(kept)
+
     # without the verify files the leaves come from the posterior update's metrics (round_leaves); an
     # arm with neither has no verdict, where it used to read "not met"
     for arm in rounds:
