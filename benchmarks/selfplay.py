@@ -453,17 +453,22 @@ def round_stats(run_dir: Path, iteration: int) -> dict:
 
 
 def leaf_stats(verified: list[dict]) -> dict:
-    """WIST, per leaf of a round's graded questions: how many, and the solver's mean agreement p̂
-    with the challenger's answer."""
+    """WIST, per leaf of a round's graded questions: how many, the solver's mean agreement p̂ with
+    the challenger's answer, and how many were learnable: g = 1(p̂(1 − p̂) ≥ τ_var) for a valid
+    question (WIST Eq. 15 at the recipe's default τ_var, which no arm changes), the observation that
+    moves the leaf's posterior."""
+    from sptool.stages.tree import DEFAULT_TAU_VAR
+
     leaves: dict = {}
     for record in verified:
         if record.get("leaf") is None or record.get("p_hat") is None:
             continue
-        entry = leaves.setdefault(record["leaf"], {"questions": 0, "p_hat_sum": 0.0})
+        entry = leaves.setdefault(record["leaf"], {"questions": 0, "p_hat_sum": 0.0, "learnable": 0})
         entry["questions"] += 1
         entry["p_hat_sum"] += float(record["p_hat"])
-    return {leaf: {"questions": e["questions"], "mean_p_hat": e["p_hat_sum"] / e["questions"]}
-            for leaf, e in sorted(leaves.items())}
+        entry["learnable"] += record.get("valid") is not False and float(record.get("var") or 0) >= DEFAULT_TAU_VAR
+    return {leaf: {"questions": e["questions"], "mean_p_hat": e["p_hat_sum"] / e["questions"],
+                   "learnable": e["learnable"]} for leaf, e in sorted(leaves.items())}
 
 
 def metric_leaves(lines: list[dict]) -> dict[int, dict]:
@@ -476,12 +481,15 @@ def metric_leaves(lines: list[dict]) -> dict[int, dict]:
         leaves: dict = {}
         for node in line["tree"]:
             if node.get("questions"):
-                entry = leaves.setdefault(node["label"], {"questions": 0, "p_hat_sum": 0.0})
+                entry = leaves.setdefault(node["label"], {"questions": 0, "p_hat_sum": 0.0, "learnable": 0})
                 entry["questions"] += node["questions"]
                 entry["p_hat_sum"] += node["questions"] * node["mean_p_hat"]
+                # runs before 2026-12-05 wrote no "learnable"
+                entry["learnable"] = None if entry["learnable"] is None or "learnable" not in node \
+                    else entry["learnable"] + node["learnable"]
         if leaves:
-            out[line["iteration"]] = {leaf: {"questions": e["questions"], "mean_p_hat": e["p_hat_sum"] / e["questions"]}
-                                      for leaf, e in sorted(leaves.items())}
+            out[line["iteration"]] = {leaf: {"questions": e["questions"], "mean_p_hat": e["p_hat_sum"] / e["questions"],
+                                             "learnable": e["learnable"]} for leaf, e in sorted(leaves.items())}
     return out
 
 
@@ -673,14 +681,18 @@ def partial_results(out: Path, finished: set[str]) -> list[dict]:
 
 
 def leaf_totals(result: dict) -> dict:
-    """WIST, per leaf over the arm's rounds: ``{leaf: {questions, first, last}}`` (the mean p̂ of
-    the first and the last round that drew the leaf)."""
+    """WIST, per leaf over the arm's rounds: ``{leaf: {questions, first, last, learnable}}`` (the mean
+    p̂ of the first and the last round that drew the leaf; the questions with g = 1, None where a
+    round did not record them)."""
     totals: dict = {}
     for _, stats in sorted(result.get("rounds", {}).items(), key=lambda kv: int(kv[0])):
         for leaf, figures in (stats or {}).get("leaves", {}).items():
-            entry = totals.setdefault(leaf, {"questions": 0, "first": figures["mean_p_hat"], "last": None})
+            entry = totals.setdefault(leaf, {"questions": 0, "first": figures["mean_p_hat"], "last": None,
+                                             "learnable": 0})
             entry["questions"] += figures["questions"]
             entry["last"] = figures["mean_p_hat"]
+            learnable = figures.get("learnable")
+            entry["learnable"] = None if entry["learnable"] is None or learnable is None else entry["learnable"] + learnable
     return totals
 
 
@@ -789,18 +801,20 @@ def report(out: Path) -> str:
     if wist_rows:
         lines += ["", "## WIST: where the paths go", "",
                   "Per leaf, over every round: the graded questions written from its pages (their share), the "
+                  "share of them with g = 1 (p̂(1 − p̂) ≥ τ_var: what moves the leaf's posterior), the "
                   "solver's mean agreement p̂ with the challenger in the first and the last round that drew the "
                   "leaf, and the leaf's posterior mean after the last round.", "",
-                  "| arm | seed | leaf | questions (share) | p̂ first → last | posterior mean |",
-                  "|---|---|---|---|---|---|"]
+                  "| arm | seed | leaf | questions (share) | g = 1 | p̂ first → last | posterior mean |",
+                  "|---|---|---|---|---|---|---|"]
         for r in wist_rows:
             totals = leaf_totals(r)
             everything = sum(t["questions"] for t in totals.values()) or 1
             posterior = r.get("posterior") or {}
             last_posterior = posterior[max(posterior, key=int)] if posterior else {}
             for leaf, t in sorted(totals.items(), key=lambda kv: -kv[1]["questions"]):
+                learnable = share(t["learnable"], t["questions"]) if t["learnable"] is not None else None
                 lines.append(f"| {r['arm']} | {r['seed']} | {leaf} | {t['questions']} ({t['questions'] / everything:.2f}) | "
-                             f"{fmt(t['first'])} → {fmt(t['last'])} | {fmt(last_posterior.get(leaf))} |")
+                             f"{fmt(learnable, 2)} | {fmt(t['first'])} → {fmt(t['last'])} | {fmt(last_posterior.get(leaf))} |")
     # the issue's targets
     lines += ["", "## Targets", ""]
     for arm in ("rzero", "rquest", "shuffled"):

@@ -284,6 +284,10 @@ def test_scripted_recipe_runs_every_stage(recipe, scripted_run):
             rows = [row for row in m["tree"] if "questions" in row]
             assert sum(row["questions"] for row in rows) == len(graded) > 0
             assert all(0.0 <= row["mean_p_hat"] <= 1.0 for row in rows)
+            # and the g = 1 observations the posterior update made of them (g = 1(Var >= tau_var))
+            update = read_jsonl(run_dir / f"iter-{m['iteration']:04d}" / "08-posterior-update.jsonl")
+            assert sum(row["learnable"] for row in rows) == sum(r.get("g") == 1 for r in update)
+            assert sum(row["learnable"] for row in rows) == sum(r["var"] >= 0.2 for r in graded if r.get("valid"))
         assert list((run_dir / "pools").glob("*.jsonl")), "per-leaf pools are kept in the run dir"
     # --keep 1: one checkpoint per role is left
     for role_dir in (run_dir / "ckpt").iterdir():

@@ -201,7 +201,8 @@ def test_the_wist_arms_report_where_the_paths_go_against_the_uniform_control(tmp
         lines = []
         for i, graded in by_round.items():
             write_jsonl(run / f"iter-{i:04d}" / "05-verify.jsonl",
-                        [{"leaf": leaf, "p_hat": p, "question": "q", "valid": True} for leaf, p in graded]
+                        [{"leaf": leaf, "p_hat": p, "var": p * (1 - p), "question": "q", "valid": True}
+                         for leaf, p in graded]
                         + [{"leaf": "Topology", "valid": False}])  # an invalid candidate: not graded
             lines.append({"iteration": i, "stage": "posterior-update", "kind": "posterior-update",
                           "tree": [{"label": "mathematics", "depth": 1, "mean": 0.5, "visits": i},
@@ -212,8 +213,9 @@ def test_the_wist_arms_report_where_the_paths_go_against_the_uniform_control(tmp
         write_jsonl(run / "metrics.jsonl", lines)
 
     text = selfplay.report(tmp_path)
-    assert "| wist | 1 | Topology | 4 (0.50) | 0.000 → 0.333 | 0.700 |" in text
-    assert "| wist-uniform | 1 | Group theory | 2 (0.50) | 0.500 → 0.250 | 0.300 |" in text
+    # g = 1 where p̂(1 − p̂) >= 0.2: p̂ 0.5 is, 0.25 and 0 are not (Topology in WIST: 1 of 4)
+    assert "| wist | 1 | Topology | 4 (0.50) | 0.25 | 0.000 → 0.333 | 0.700 |" in text
+    assert "| wist-uniform | 1 | Group theory | 2 (0.50) | 0.50 | 0.500 → 0.250 | 0.300 |" in text
     # improving (as the uniform arm saw it): Topology; later half = round 2: wist 3/4 there, uniform 1/2,
     # counted on the leaves both arms drew (the leaf of WIST's own tree would make it 3/6)
     assert ("Topology, of the 2 leaves both arms drew): share of its questions on those 2 leaves that went there "
@@ -225,8 +227,8 @@ def test_the_wist_arms_report_where_the_paths_go_against_the_uniform_control(tmp
     # where the uniform arm's p̂ rose on no shared leaf, both shares are 0 by construction: no verdict
     uniform_round_2 = tmp_path / "runs" / "wist-uniform-s1" / "iter-0002" / "05-verify.jsonl"
     kept = uniform_round_2.read_text()
-    write_jsonl(uniform_round_2, [{"leaf": "Topology", "p_hat": 0.0, "question": "q", "valid": True},
-                                  {"leaf": "Group theory", "p_hat": 0.25, "question": "q", "valid": True}])
+    write_jsonl(uniform_round_2, [{"leaf": "Topology", "p_hat": 0.0, "var": 0.0, "question": "q", "valid": True},
+                                  {"leaf": "Group theory", "p_hat": 0.25, "var": 0.1875, "question": "q", "valid": True}])
     text = selfplay.report(tmp_path)
     assert "not measurable, the uniform arm's p̂ rose on none of the 2 leaves both arms drew" in text
     assert json.loads((tmp_path / "selfplay.json").read_text())["targets"]["wist_seed_1"]["met"] is None
@@ -244,10 +246,11 @@ def test_the_wist_arms_report_where_the_paths_go_against_the_uniform_control(tmp
             for node in line["tree"]:
                 mine = [p for leaf, p in graded if leaf == node["label"]]
                 if mine:
-                    node.update(questions=len(mine), mean_p_hat=sum(mine) / len(mine))
+                    node.update(questions=len(mine), mean_p_hat=sum(mine) / len(mine),
+                                learnable=sum(p * (1 - p) >= 0.2 for p in mine))
     write_jsonl(tmp_path / "runs" / "wist-s1" / "metrics.jsonl", lines)
     text = selfplay.report(tmp_path)
-    assert "| wist | 1 | Topology | 4 (0.67) | 0.000 → 0.333 | 0.700 |" in text  # the metrics' tree: 2 leaves
+    assert "| wist | 1 | Topology | 4 (0.67) | 0.25 | 0.000 → 0.333 | 0.700 |" in text  # the metrics' tree: 2 leaves
     assert "not measurable, no per-leaf data for wist-uniform" in text
     summary = json.loads((tmp_path / "selfplay.json").read_text())
     assert summary["targets"]["wist_seed_1"]["met"] is None
@@ -335,3 +338,26 @@ def test_wists_arithmetic_domain_gives_each_leaf_its_own_pages_and_no_held_out_s
     assert sets["wist.path_rule"] == "uniform" and sets["wist.query_from"] == "leaf"
     run4 = selfplay.Settings(device="cuda", lr=1e-5, wist_domain="mathematics", **selfplay.defaults("cuda"))
     assert selfplay.arm_plan("wist", run4, "START")[2]["wist.tree"] == "package:tree.json"
+
+
+def test_wists_round_leaves_count_the_posterior_updates_g_per_leaf():
+    """``round_leaves`` (what the WIST recipe writes into the posterior update's metrics line): per
+    leaf, the graded questions, the mean p̂ and the posterior update's g = 1 observations; the real
+    update stage gives g from the variance, so p̂ 0.5 is learnable and 0.1 is not."""
+    from sptool.recipes.wist import round_leaves
+    from sptool.stages.tree import PosteriorUpdateStage
+    from sptool.stages.tree.document import add_node, new_tree
+
+    tree = new_tree("Arithmetic", max_depth=3, max_children=2, children=["Addition"])
+    domain = tree["nodes"][tree["root"]]["children"][0]
+    addition = tree["nodes"][domain]["children"][0]
+    easy, hard = add_node(tree, addition, "One-digit addition"), add_node(tree, addition, "Two-digit addition")
+    tree["paths"] = {"p-easy": [domain, addition, easy], "p-hard": [domain, addition, hard]}
+    verified = [{"id": f"q{i}", "path_id": path, "question": "What is 1 + 1?", "valid": True, "p_hat": p,
+                 "var": p * (1 - p)} for i, (path, p) in enumerate([("p-easy", 1.0), ("p-easy", 0.5),
+                                                                     ("p-hard", 0.5), ("p-hard", 0.5), ("p-hard", 0.1)])]
+    updated = list(PosteriorUpdateStage(tree).run(iter(verified)))
+    leaves = round_leaves(tree, updated)
+    assert leaves[easy] == {"questions": 2, "mean_p_hat": 0.75, "learnable": 1}
+    assert leaves[hard]["learnable"] == 2 and leaves[hard]["questions"] == 3
+    assert tree["nodes"][hard]["window"] == [1, 1, 0]  # what the posterior saw is what the count says

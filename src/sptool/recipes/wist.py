@@ -219,23 +219,26 @@ class Wist(Recipe):
         stage = PosteriorUpdateStage(tree, rule=c.posterior_rule, tau_var=c.tau_var, sigma=c.sigma,
                                      rho=c.invalid_penalty)
         updated = ctx.run_stage(stage, records)
-        self.save_tree(ctx, tree, round_leaves(tree, records))
+        self.save_tree(ctx, tree, round_leaves(tree, updated))
         return [{"id": r.get("id"), "path_id": r.get("path_id"), "g": r.get("g")} for r in updated]
 
 
 def round_leaves(tree: dict, verified: list[dict]) -> dict[str, dict]:
-    """Per leaf node id, this round's graded questions and the solver's mean agreement p̂ with the
-    challenger's answers: what each leaf taught the solver, kept in ``metrics.jsonl`` (the round's
-    verify file is not always kept beside it)."""
+    """Per leaf node id, this round's graded questions, the solver's mean agreement p̂ with the
+    challenger's answers and how many observations were g = 1 (``learnable``; the records' ``g``
+    from the posterior update): what each leaf taught the solver and what its posterior saw, kept in
+    ``metrics.jsonl`` (the round's verify file is not always kept beside it)."""
     sums: dict[str, list] = {}
     for record in verified:
         nodes = record.get("nodes") or tree["paths"].get(record.get("path_id"))
         if not nodes or record.get("p_hat") is None:
             continue
-        entry = sums.setdefault(nodes[-1], [0, 0.0])
+        entry = sums.setdefault(nodes[-1], [0, 0.0, 0])
         entry[0] += 1
         entry[1] += float(record["p_hat"])
-    return {leaf: {"questions": n, "mean_p_hat": total / n} for leaf, (n, total) in sums.items()}
+        entry[2] += record.get("g") == 1
+    return {leaf: {"questions": n, "mean_p_hat": total / n, "learnable": ones}
+            for leaf, (n, total, ones) in sums.items()}
 
 
 def _networks(c) -> list[str]:
