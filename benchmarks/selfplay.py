@@ -200,6 +200,9 @@ def wist_sets(s: Settings) -> dict:
         data = Path(s.wist_data)
         domain = {"tree": str(data / "tree.json"), "titles": str(data / "titles.txt"),
                   "search": f"local:{data / 'pages.jsonl'}", "query_from": "leaf",
+                  # the tree's own cap (wist.max_children overrides it): every node is full, no unk is
+                  # drawn (at the default 4 a CPU round grew "Adistance" under Subtraction)
+                  "max_children": ARITHMETIC_MAX_CHILDREN,
                   "min_question_chars": 12}  # Γ's default 20 refused "What is 89 + 14?" (16)
         # the reply starts inside "<question>What is " (as R-Zero's sums questioner): the 135M model
         # copied documents-short's example question about hexagons onto the arithmetic pages
@@ -241,6 +244,7 @@ Text: Division. Dividing splits a number into equal parts. For example, 84 divid
 
 Text: {text}
 """
+ARITHMETIC_MAX_CHILDREN = 3  # children of every inner node: the tree is full
 PAGES_PER_LEAF = 10  # = corpus fetch's results per query: a leaf's search returns its own pages
 OPERATION_WORDS = {"+": ("plus", "add", "sum"), "-": ("minus", "subtract", "difference"),
                    "*": ("times", "multiply", "product")}
@@ -294,7 +298,7 @@ def arithmetic_domain(out: Path, heldout: str) -> str:
         if match:
             a, b = int(match.group(1)), int(match.group(2))
             held |= {("+", a, b), ("+", b, a)}
-    tree = new_tree("Arithmetic", max_depth=3, max_children=3, children=list(ARITHMETIC_LEAVES))
+    tree = new_tree("Arithmetic", max_depth=3, max_children=ARITHMETIC_MAX_CHILDREN, children=list(ARITHMETIC_LEAVES))
     domain_id = tree["nodes"][tree["root"]]["children"][0]
     rng = random.Random(0)
     pages, titles = [], ["Arithmetic", *ARITHMETIC_LEAVES]
