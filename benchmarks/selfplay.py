@@ -302,11 +302,9 @@ def arithmetic_domain(out: Path, heldout: str) -> str:
     domain_id = tree["nodes"][tree["root"]]["children"][0]
     rng = random.Random(0)
     pages, titles = [], ["Arithmetic", *ARITHMETIC_LEAVES]
-    for operation_id in list(tree["nodes"][domain_id]["children"]):
-        node = tree["nodes"][operation_id]
-        if node["is_unk"]:
-            continue
-        for leaf, (operation, a_digits, b_digits) in ARITHMETIC_LEAVES[node["label"]].items():
+    for label, leaves in ARITHMETIC_LEAVES.items():
+        operation_id = add_node(tree, domain_id, label)  # the node new_tree made: its id
+        for leaf, (operation, a_digits, b_digits) in leaves.items():
             add_node(tree, operation_id, leaf, evidence={"source": "init"})
             titles.append(leaf)
             for number in range(1, PAGES_PER_LEAF + 1):
@@ -461,7 +459,7 @@ def leaf_stats(verified: list[dict]) -> dict:
     the challenger's answer, and how many were learnable: g = 1(p̂(1 − p̂) ≥ τ_var) for a valid
     question (WIST Eq. 15 at the recipe's default τ_var, which no arm changes), the observation that
     moves the leaf's posterior."""
-    from sptool.stages.tree import DEFAULT_TAU_VAR
+    from sptool.stages.tree import learnability_observation
 
     leaves: dict = {}
     for record in verified:
@@ -470,9 +468,14 @@ def leaf_stats(verified: list[dict]) -> dict:
         entry = leaves.setdefault(record["leaf"], {"questions": 0, "p_hat_sum": 0.0, "learnable": 0})
         entry["questions"] += 1
         entry["p_hat_sum"] += float(record["p_hat"])
-        entry["learnable"] += record.get("valid") is not False and float(record.get("var") or 0) >= DEFAULT_TAU_VAR
+        entry["learnable"] += record.get("valid") is not False and learnability_observation(float(record.get("var") or 0))
     return {leaf: {"questions": e["questions"], "mean_p_hat": e["p_hat_sum"] / e["questions"],
                    "learnable": e["learnable"]} for leaf, e in sorted(leaves.items())}
+
+
+def count_or_none(total: int | None, more: int | None) -> int | None:
+    """A count summed over rounds, unknown (None) once a round did not record it."""
+    return None if total is None or more is None else total + more
 
 
 def metric_leaves(lines: list[dict]) -> dict[int, dict]:
@@ -488,9 +491,7 @@ def metric_leaves(lines: list[dict]) -> dict[int, dict]:
                 entry = leaves.setdefault(node["label"], {"questions": 0, "p_hat_sum": 0.0, "learnable": 0})
                 entry["questions"] += node["questions"]
                 entry["p_hat_sum"] += node["questions"] * node["mean_p_hat"]
-                # runs before 2026-12-05 wrote no "learnable"
-                entry["learnable"] = None if entry["learnable"] is None or "learnable" not in node \
-                    else entry["learnable"] + node["learnable"]
+                entry["learnable"] = count_or_none(entry["learnable"], node.get("learnable"))  # none before 2026-12-05
         if leaves:
             out[line["iteration"]] = {leaf: {"questions": e["questions"], "mean_p_hat": e["p_hat_sum"] / e["questions"],
                                              "learnable": e["learnable"]} for leaf, e in sorted(leaves.items())}
@@ -695,8 +696,7 @@ def leaf_totals(result: dict) -> dict:
                                              "learnable": 0})
             entry["questions"] += figures["questions"]
             entry["last"] = figures["mean_p_hat"]
-            learnable = figures.get("learnable")
-            entry["learnable"] = None if entry["learnable"] is None or learnable is None else entry["learnable"] + learnable
+            entry["learnable"] = count_or_none(entry["learnable"], figures.get("learnable"))
     return totals
 
 
