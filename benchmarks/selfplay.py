@@ -200,9 +200,6 @@ def wist_sets(s: Settings) -> dict:
         data = Path(s.wist_data)
         domain = {"tree": str(data / "tree.json"), "titles": str(data / "titles.txt"),
                   "search": f"local:{data / 'pages.jsonl'}", "query_from": "leaf",
-                  # the tree's own cap (wist.max_children overrides it): every node is full, no unk is
-                  # drawn (at the default 4 a CPU round grew "Adistance" under Subtraction)
-                  "max_children": ARITHMETIC_MAX_CHILDREN,
                   "min_question_chars": 12}  # Γ's default 20 refused "What is 89 + 14?" (16)
         # the reply starts inside "<question>What is " (as R-Zero's sums questioner): the 135M model
         # copied documents-short's example question about hexagons onto the arithmetic pages

@@ -674,3 +674,36 @@ def test_a_run_from_another_runs_checkpoint_starts_a_fresh_optimizer(tmp_path, s
     where = str(tmp_path / start) if "/" in start else start
     assert Policy(session, "solver", where).restores_optimizer() is restores
 
+
+
+@pytest.mark.slow
+def test_a_given_wist_tree_keeps_its_own_cap_on_children(tmp_path, random_policy):
+    """``wist.max_children`` at its default (0) takes a given tree's cap: a tree whose nodes are full
+    at 3 draws no unk, so it grows no node. The old default (4) overrode the cap, and a round on
+    the benchmark's arithmetic tree drew unks and grew "Adistance". A set value still overrides."""
+    from sptool.stages.tree import load_tree
+    from sptool.stages.tree.document import add_node, new_tree
+
+    tree = new_tree("Arithmetic", max_depth=3, max_children=3, children=["Addition", "Subtraction", "Multiplication"])
+    domain = tree["nodes"][tree["root"]]["children"][0]
+    for operation in list(tree["nodes"][domain]["children"]):
+        if not tree["nodes"][operation]["is_unk"]:
+            for digits in ("One-digit", "Two-digit", "Three-digit"):
+                add_node(tree, operation, f"{digits} {tree['nodes'][operation]['label'].lower()}")
+    (tmp_path / "tree.json").write_text(json.dumps(tree))
+    nodes = {i for i, node in tree["nodes"].items() if not node["is_unk"]}
+
+    def grown(*extra: str) -> dict:
+        run_dir = tmp_path / f"run{len(extra)}"
+        result = run_sptool(*scripted_args("wist", run_dir, random_policy, "-n", "1", "--set",
+                                           f'wist.tree="{tmp_path / "tree.json"}"', "--set", "wist.paths=6", *extra),
+                            env=ENV, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        return load_tree(sorted(run_dir.glob("iter-0001/*tree-expand*.json"))[-1])
+
+    kept = grown()
+    assert kept["max_children"] == 3
+    assert {i for i, node in kept["nodes"].items() if not node["is_unk"]} == nodes
+    assert all(not kept["nodes"][p[-1]]["is_unk"] and kept["nodes"][p[-1]]["depth"] == 3
+               for p in kept["paths"].values())
+    assert grown("--set", "wist.max_children=5")["max_children"] == 5

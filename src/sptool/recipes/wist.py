@@ -41,8 +41,8 @@ class WistConfig(WistOptions):
     max_depth: int = setting(T.DEFAULT_MAX_DEPTH, "tree maximum depth L", "WIST App. D", minimum=1)
     window: int = setting(T.DEFAULT_WINDOW, "sliding window size μ of the posteriors", "WIST App. D",
                           minimum=1)
-    max_children: int = setting(T.DEFAULT_MAX_CHILDREN, "children discovered per node before unk is "
-                                "masked", minimum=1)
+    max_children: int = setting(0, "children discovered per node before unk is masked; 0: the tree's "
+                                f"own cap (a given tree's, or {T.DEFAULT_MAX_CHILDREN} for a new one)", minimum=0)
     paths: int = setting(128, "paths sampled per iteration B", "WIST App. D", minimum=1)
     docs_per_path: int = setting(1, "documents drawn per path from its leaf's pool", "WIST §3",
                                  minimum=1)
@@ -127,7 +127,7 @@ class Wist(Recipe):
             self.tree = load_tree(self.c.tree)
         else:
             self.tree = new_tree(self.c.domain, max_depth=self.c.max_depth, window_size=self.c.window,
-                                 max_children=self.c.max_children)
+                                 max_children=self.c.max_children or T.DEFAULT_MAX_CHILDREN)
 
     def save_tree(self, ctx: StepContext, tree: dict, leaves: dict | None = None) -> None:
         """The tree as the step's document; its nodes (mean, visits) in the step's metrics, with
@@ -154,7 +154,8 @@ class Wist(Recipe):
                                     allow_networks=_networks(c), allow_hint="wist.allow_networks")
         params = SamplingParams(temperature=self.settings.generation.temperature,
                                 max_new_tokens=c.expand_max_tokens, seed=ctx.seed)
-        options = ExpandOptions(tau_wiki=c.tau_wiki, max_attempts=c.max_attempts, max_children=c.max_children,
+        options = ExpandOptions(tau_wiki=c.tau_wiki, max_attempts=c.max_attempts,
+                                max_children=c.max_children or None,
                                 proposals=c.proposals, min_votes=c.min_votes,
                                 duplicate_threshold=c.duplicate_threshold, path_rule=c.path_rule)
         expander = TreeExpander(self.session.policy("policy").backend, titles, params=params,
