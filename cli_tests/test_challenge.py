@@ -200,6 +200,24 @@ def test_documents_mode_shortest_question_is_a_setting(tmp_path):
     assert verdicts == {20: (False, "question too short"), 12: (True, None)}
 
 
+def test_documents_mode_shortest_question_is_a_flag(cli, tmp_path):
+    """``challenge --from documents --min-question-chars``: the stage's Γ length rule from the
+    command line, as ``wist.min_question_chars`` in a run; below 1 it is a usage error."""
+    script = write_jsonl(tmp_path / "script.jsonl", ['{"question": "What is 89 + 14?", "answer": "103", '
+                                                     '"answer_type": "free_form"}'])
+    verdicts = {}
+    for shortest in ("20", "12"):
+        result = cli(["challenge", "--from", "documents", DOCUMENTS, "--candidates", "1", "--backend", "scripted",
+                      "-m", script, "--min-question-chars", shortest, "-q"])
+        assert result.exit_code == 0, result.output
+        (first, *_) = read_jsonl(result.stdout)
+        assert first["question"] == "What is 89 + 14?"
+        verdicts[shortest] = (first["valid"], first["invalid_reason"])
+    assert verdicts == {"20": (False, "question too short"), "12": (True, None)}
+    result = cli(["challenge", "--from", "documents", DOCUMENTS, "--backend", "scripted", "--min-question-chars", "0"])
+    assert result.exit_code == 2 and "--min-question-chars" in result.output
+
+
 def test_documents_mode_keeps_all_candidates_with_lineage():
     documents = read_jsonl(DOCUMENTS)
     backend = ScriptedBackend(outputs=[GOOD_QA, "I don't know", DOC_QA])

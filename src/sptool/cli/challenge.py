@@ -10,6 +10,7 @@ import typer
 from sptool.cli import common
 from sptool.prompts import MAX_DOCUMENT_CHARS
 from sptool.rewards import SVS_UNDERPERFORMING_BAND
+from sptool.stages.challenge.gamma import MIN_QUESTION_CHARS
 
 
 def register(app: typer.Typer) -> None:
@@ -45,6 +46,9 @@ def challenge(
                                       help="solutions: correct solutions used per problem."),
     max_document_chars: int = typer.Option(MAX_DOCUMENT_CHARS, "--max-document-chars",
                                            help="documents: truncate longer documents in the prompt."),
+    min_question_chars: int = typer.Option(MIN_QUESTION_CHARS, "--min-question-chars", min=1,
+                                           help="documents: the validator Γ's shortest question, in "
+                                                "characters ('What is 89 + 14?' has 16)."),
     logprobs: bool = common.LogprobsOpt,
     stage_io: common.StageIO = None,
     backend_options: common.BackendOptions = None,
@@ -67,7 +71,7 @@ def challenge(
 
         options.update(band=parse_band(band, "--band"), strict_band=strict_band, max_solutions=max_solutions)
     elif source == "documents":
-        options.update(max_document_chars=max_document_chars)
+        options.update(max_document_chars=max_document_chars, min_question_chars=min_question_chars)
     elif source == "nothing":
         # No INPUT: generate from an empty seed without touching stdin. '-' or a file: topic seeds.
         options.update(unseeded=input_path is None)
