@@ -455,19 +455,47 @@ def leaf_stats(verified: list[dict]) -> dict:
     """WIST, per leaf of a round's graded questions: how many, the solver's mean agreement p̂ with
     the challenger's answer, and how many were learnable: g = 1(p̂(1 − p̂) ≥ τ_var) for a valid
     question (WIST Eq. 15 at the recipe's default τ_var, which no arm changes), the observation that
-    moves the leaf's posterior."""
+    moves the leaf's posterior. For the arithmetic domain, also the questions of one operation on two
+    numbers (``closed``) and how many of those the challenger labelled right (``label_right``): p̂ is
+    agreement with that label, so a wrong label keeps g at 0 whatever the solver can do."""
     from sptool.stages.tree import learnability_observation
 
     leaves: dict = {}
     for record in verified:
         if record.get("leaf") is None or record.get("p_hat") is None:
             continue
-        entry = leaves.setdefault(record["leaf"], {"questions": 0, "p_hat_sum": 0.0, "learnable": 0})
+        entry = leaves.setdefault(record["leaf"], {"questions": 0, "p_hat_sum": 0.0, "learnable": 0,
+                                                   "closed": 0, "label_right": 0})
         entry["questions"] += 1
         entry["p_hat_sum"] += float(record["p_hat"])
         entry["learnable"] += record.get("valid") is not False and learnability_observation(float(record.get("var") or 0))
+        value = one_operation_value(record.get("question") or "")
+        if value is not None:
+            entry["closed"] += 1
+            entry["label_right"] += number_or_none(record.get("answer")) == value
     return {leaf: {"questions": e["questions"], "mean_p_hat": e["p_hat_sum"] / e["questions"],
-                   "learnable": e["learnable"]} for leaf, e in sorted(leaves.items())}
+                   "learnable": e["learnable"], "closed": e["closed"], "label_right": e["label_right"]}
+            for leaf, e in sorted(leaves.items())}
+
+
+ONE_OPERATION = re.compile(r"What is (\d+) ?([-+*×x]) ?(\d+) ?=? ?\?")
+
+
+def number_or_none(text) -> float | None:
+    try:
+        return float(str(text).strip())
+    except ValueError:
+        return None
+
+
+def one_operation_value(question: str) -> int | None:
+    """The value of ``What is A op B?`` (op one of + − × on whole numbers), else None: the
+    arithmetic domain's questions whose right answer the report can check."""
+    match = ONE_OPERATION.fullmatch(" ".join(question.split()))
+    if not match:
+        return None
+    a, op, b = int(match.group(1)), match.group(2), int(match.group(3))
+    return a + b if op == "+" else a - b if op == "-" else a * b
 
 
 def count_or_none(total: int | None, more: int | None) -> int | None:
@@ -683,17 +711,18 @@ def partial_results(out: Path, finished: set[str]) -> list[dict]:
 
 
 def leaf_totals(result: dict) -> dict:
-    """WIST, per leaf over the arm's rounds: ``{leaf: {questions, first, last, learnable}}`` (the mean
-    p̂ of the first and the last round that drew the leaf; the questions with g = 1, None where a
-    round did not record them)."""
+    """WIST, per leaf over the arm's rounds: ``{leaf: {questions, first, last, learnable, closed,
+    label_right}}`` (the mean p̂ of the first and the last round that drew the leaf; the counts of
+    :func:`leaf_stats`, None where a round did not record them)."""
     totals: dict = {}
     for _, stats in sorted(result.get("rounds", {}).items(), key=lambda kv: int(kv[0])):
         for leaf, figures in (stats or {}).get("leaves", {}).items():
             entry = totals.setdefault(leaf, {"questions": 0, "first": figures["mean_p_hat"], "last": None,
-                                             "learnable": 0})
+                                             "learnable": 0, "closed": 0, "label_right": 0})
             entry["questions"] += figures["questions"]
             entry["last"] = figures["mean_p_hat"]
-            entry["learnable"] = count_or_none(entry["learnable"], figures.get("learnable"))
+            for key in ("learnable", "closed", "label_right"):  # None where a round's verify file was not kept
+                entry[key] = count_or_none(entry[key], figures.get(key))
     return totals
 
 
@@ -804,9 +833,11 @@ def report(out: Path) -> str:
                   "Per leaf, over every round: the graded questions written from its pages (their share), the "
                   "share of them with g = 1 (p̂(1 − p̂) ≥ τ_var: what moves the leaf's posterior), the "
                   "solver's mean agreement p̂ with the challenger in the first and the last round that drew the "
-                  "leaf, and the leaf's posterior mean after the last round.", "",
-                  "| arm | seed | leaf | questions (share) | g = 1 | p̂ first → last | posterior mean |",
-                  "|---|---|---|---|---|---|---|"]
+                  "leaf, and the leaf's posterior mean after the last round. Label right: of the questions of one "
+                  "operation on two numbers, those whose challenger answer is the true value (p̂ is agreement "
+                  "with that answer).", "",
+                  "| arm | seed | leaf | questions (share) | g = 1 | p̂ first → last | posterior mean | label right |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in wist_rows:
             totals = leaf_totals(r)
             everything = sum(t["questions"] for t in totals.values()) or 1
@@ -814,8 +845,10 @@ def report(out: Path) -> str:
             last_posterior = posterior[max(posterior, key=int)] if posterior else {}
             for leaf, t in sorted(totals.items(), key=lambda kv: -kv[1]["questions"]):
                 learnable = share(t["learnable"], t["questions"]) if t["learnable"] is not None else None
+                labels = "-" if t["closed"] is None else f"{t['label_right']} of {t['closed']}"
                 lines.append(f"| {r['arm']} | {r['seed']} | {leaf} | {t['questions']} ({t['questions'] / everything:.2f}) | "
-                             f"{fmt(learnable, 2)} | {fmt(t['first'])} → {fmt(t['last'])} | {fmt(last_posterior.get(leaf))} |")
+                             f"{fmt(learnable, 2)} | {fmt(t['first'])} → {fmt(t['last'])} | {fmt(last_posterior.get(leaf))} | "
+                             f"{labels} |")
     # the issue's targets
     lines += ["", "## Targets", ""]
     for arm in ("rzero", "rquest", "shuffled"):

@@ -214,7 +214,7 @@ def test_the_wist_arms_report_where_the_paths_go_against_the_uniform_control(tmp
 
     text = selfplay.report(tmp_path)
     # g = 1 where p̂(1 − p̂) >= 0.2: p̂ 0.5 is, 0.25 and 0 are not (Topology in WIST: 1 of 4)
-    assert "| wist | 1 | Topology | 4 (0.50) | 0.25 | 0.000 → 0.333 | 0.700 |" in text
+    assert "| wist | 1 | Topology | 4 (0.50) | 0.25 | 0.000 → 0.333 | 0.700 | 0 of 0 |" in text
     assert "| wist-uniform | 1 | Group theory | 2 (0.50) | 0.50 | 0.500 → 0.250 | 0.300 |" in text
     # improving (as the uniform arm saw it): Topology; later half = round 2: wist 3/4 there, uniform 1/2,
     # counted on the leaves both arms drew (the leaf of WIST's own tree would make it 3/6)
@@ -250,7 +250,8 @@ def test_the_wist_arms_report_where_the_paths_go_against_the_uniform_control(tmp
                                 learnable=sum(p * (1 - p) >= 0.2 for p in mine))
     write_jsonl(tmp_path / "runs" / "wist-s1" / "metrics.jsonl", lines)
     text = selfplay.report(tmp_path)
-    assert "| wist | 1 | Topology | 4 (0.67) | 0.25 | 0.000 → 0.333 | 0.700 |" in text  # the metrics' tree: 2 leaves
+    # the metrics' tree: 2 leaves, and no label figure (the verify files hold the questions)
+    assert "| wist | 1 | Topology | 4 (0.67) | 0.25 | 0.000 → 0.333 | 0.700 | - |" in text
     assert "not measurable, no per-leaf data for wist-uniform" in text
     summary = json.loads((tmp_path / "selfplay.json").read_text())
     assert summary["targets"]["wist_seed_1"]["met"] is None
@@ -365,3 +366,23 @@ def test_wists_round_leaves_count_the_posterior_updates_g_per_leaf():
     assert leaves[easy] == {"questions": 2, "mean_p_hat": 0.75, "learnable": 1}
     assert leaves[hard]["learnable"] == 2 and leaves[hard]["questions"] == 3
     assert tree["nodes"][hard]["window"] == [1, 1, 0]  # what the posterior saw is what the count says
+
+
+def test_wists_leaf_stats_count_the_challengers_right_labels_on_one_operation_questions():
+    """p̂ is the solver's agreement with the challenger's answer, so the report counts, per leaf, the
+    questions of one operation on two numbers and those the challenger labelled with the true value
+    (run 7: 76 of 594 on the H200). Other questions (two operations, a division, words) count in
+    neither; a round known only from the metrics line shows no figure ("-")."""
+    assert [selfplay.one_operation_value(q) for q in ("What is 89 + 14?", "What is  5-9?", "What is 7 x 8 = ?",
+                                                      "What is 12 × 3?", "What is 84 / 4?", "What is 6 - 2 + 8?",
+                                                      "How many sides do 3 hexagons have?")] == [103, -4, 56, 36, None,
+                                                                                                None, None]
+    graded = [{"leaf": "Two-digit addition", "question": q, "answer": a, "p_hat": 0.0, "var": 0.0, "valid": True}
+              for q, a in (("What is 89 + 14?", "103"), ("What is 47 + 38?", "84"), ("What is 47 + 38?", "85.0"),
+                           ("What is 84 / 4?", "21"), ("What is 6 - 2 + 8?", "12"))]
+    leaves = selfplay.leaf_stats(graded)
+    assert leaves["Two-digit addition"]["closed"] == 3 and leaves["Two-digit addition"]["label_right"] == 2
+    rounds = {"1": {"leaves": leaves}, "2": {"leaves": {"Two-digit addition": {"questions": 1, "mean_p_hat": 0.0,
+                                                                              "learnable": 0}}}}
+    assert selfplay.leaf_totals({"rounds": rounds})["Two-digit addition"]["label_right"] is None
+    assert selfplay.leaf_totals({"rounds": {"1": rounds["1"]}})["Two-digit addition"]["label_right"] == 2
