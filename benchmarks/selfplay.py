@@ -389,8 +389,10 @@ def arithmetic_truth(question: str) -> float | None:
     return float(result) if isinstance(result, (int, float)) and math.isfinite(result) else None
 
 
-def label_is_right(question: str, label) -> bool | None:
-    truth = sum_truth(question)
+def label_is_right(question: str, label, truth=sum_truth) -> bool | None:
+    """Whether ``label`` (its part after the last "=") is ``truth(question)``; None where the question
+    has no such truth (by default: not a sum)."""
+    truth = truth(question)
     if truth is None:
         return None
     value = re.sub(r"[\s$,]|\\!|\\,", "", str(label).rsplit("=", 1)[-1]).rstrip(".")  # "47 + 38 = 85": 85
@@ -469,23 +471,16 @@ def leaf_stats(verified: list[dict]) -> dict:
         entry["questions"] += 1
         entry["p_hat_sum"] += float(record["p_hat"])
         entry["learnable"] += record.get("valid") is not False and learnability_observation(float(record.get("var") or 0))
-        value = one_operation_value(record.get("question") or "")
-        if value is not None:
+        right = label_is_right(record.get("question") or "", record.get("answer"), truth=one_operation_value)
+        if right is not None:
             entry["closed"] += 1
-            entry["label_right"] += number_or_none(record.get("answer")) == value
+            entry["label_right"] += right
     return {leaf: {"questions": e["questions"], "mean_p_hat": e["p_hat_sum"] / e["questions"],
                    "learnable": e["learnable"], "closed": e["closed"], "label_right": e["label_right"]}
             for leaf, e in sorted(leaves.items())}
 
 
 ONE_OPERATION = re.compile(r"What is (\d+) ?([-+*×x]) ?(\d+) ?=? ?\?")
-
-
-def number_or_none(text) -> float | None:
-    try:
-        return float(str(text).strip())
-    except ValueError:
-        return None
 
 
 def one_operation_value(question: str) -> int | None:

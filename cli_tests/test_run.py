@@ -679,7 +679,7 @@ def test_a_run_from_another_runs_checkpoint_starts_a_fresh_optimizer(tmp_path, s
 @pytest.mark.slow
 def test_a_given_wist_tree_keeps_its_own_cap_on_children(tmp_path, random_policy):
     """``wist.max_children`` at its default (0) takes a given tree's cap: a tree whose nodes are full
-    at 3 draws no unk, so it grows no node. The old default (4) overrode the cap, and a round on
+    at 3 draws no unk, so it grows no node. The old default (8) overrode the cap, and a round on
     the benchmark's arithmetic tree drew unks and grew "Adistance". A set value still overrides."""
     from sptool.stages.tree import load_tree
     from sptool.stages.tree.document import add_node, new_tree

@@ -337,7 +337,7 @@ def test_wists_arithmetic_domain_gives_each_leaf_its_own_pages_and_no_held_out_s
     sets = selfplay.arm_plan("wist-uniform", settings, "START")[2]
     assert sets["wist.tree"] == f"{data}/tree.json" and sets["wist.search"] == f"local:{data}/pages.jsonl"
     assert sets["wist.path_rule"] == "uniform" and sets["wist.query_from"] == "leaf"
-    # the tree's own cap applies (a set wist.max_children of 4 drew an unk under every operation)
+    # the tree's own cap applies (the old default wist.max_children of 8 drew an unk under every operation)
     assert "wist.max_children" not in sets and tree["max_children"] == 3
     assert all(len(tree["nodes"][i]["children"]) - 1 == 3 for i in tree["nodes"]
                if tree["nodes"][i]["depth"] in (1, 2) and not tree["nodes"][i]["is_unk"])
