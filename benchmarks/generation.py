@@ -214,8 +214,16 @@ def sync(backend) -> None:
 
 def bare_replay(backend, calls) -> tuple[float, int, int]:
     """The recorded calls through bare eager ``model.generate`` (dynamic cache, no compile), in
-    the backend's batches: (seconds, decoding steps, generated tokens)."""
+    the backend's batches: (seconds, decoding steps, generated tokens).
+
+    The model is the trainer's, whose decoder layers are regionally compiled on CUDA: they run
+    their plain forward here (``regional_compile_off``), as in the sptool arm. Until 2026-12-06 they
+    did not. The bare arm then recompiled the shared layer forward for each ``layer_idx`` and cache
+    length until dynamo's recompile limit (64), the warning of every CUDA ``--stages`` run. So the
+    bare arm was partly compiled, not eager, and the training graphs lost their recompile budget."""
     import torch
+
+    from sptool.models.hf_decoding import regional_compile_off
 
     model, tokenizer = backend.model, backend.tokenizer
     eos = backend._eos_ids()
@@ -238,7 +246,7 @@ def bare_replay(backend, calls) -> tuple[float, int, int]:
             if params.stop:
                 options.update(stop_strings=list(params.stop), tokenizer=tokenizer)
             torch.manual_seed(params.seed)
-            with torch.inference_mode():
+            with torch.inference_mode(), regional_compile_off(model):
                 output = model.generate(**encoded, **options)
             new = output.sequences[:, encoded["input_ids"].shape[1]:]
             steps += new.shape[1]

@@ -30,3 +30,37 @@ def test_device_busy_time_counts_each_kernel_once():
     ]
     assert generation.device_busy_us(rows) == 930_166 + 193_737 + 4_661
     assert generation.device_busy_us([]) == 0
+
+
+def test_the_bare_arm_runs_the_trainers_compiled_layers_eagerly(tiny_model_dir):
+    """The bare arm replays over the trainer's model, whose decoder layers are regionally compiled
+    on CUDA. It must run them plain: through the compiled forward, every layer_idx and cache
+    length recompiled until dynamo's limit, so the "bare" arm was partly compiled."""
+    import torch
+    from torch._dynamo.testing import CompileCounter
+
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+
+    backend = HFBackend("tiny", device="cpu", batch_size=4)
+    layers = backend.model.model.layers
+    counter = CompileCounter()
+    try:
+        for layer in layers:
+            layer.compile(backend=counter)
+        compiled = [layer._compiled_call_impl for layer in layers]
+        params = SamplingParams(temperature=0.0, max_new_tokens=3)
+        calls = [dict(prompts=["What is 2 + 3?", "Name a colour."], n=1, params=params)]
+        seconds, steps, tokens = generation.bare_replay(backend, calls)
+        assert steps == 3 and 2 <= tokens <= 6 and seconds > 0
+        assert counter.frame_count == 0  # no layer went through dynamo
+        assert [layer._compiled_call_impl for layer in layers] == compiled  # training keeps its compile
+        with torch.inference_mode():  # and the layers are still compiled outside the replay
+            layers[0](torch.zeros(1, 2, backend.model.config.hidden_size),
+                      position_embeddings=backend.model.model.rotary_emb(torch.zeros(1, 2, 1), torch.arange(2)[None]))
+        assert counter.frame_count == 1
+    finally:
+        for layer in layers:
+            layer._compiled_call_impl = None
+        backend.close()
+        torch._dynamo.reset()
