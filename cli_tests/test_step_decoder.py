@@ -418,3 +418,65 @@ def test_a_bf16_split_sampler_compiles_to_one_graph_on_gpu():
         for row_want, row_got in zip(rows_want, rows_got):
             assert_same_greedy(eager, prompt, row_got, row_want, 0.5)
     eager.close()
+
+
+# -- other model families ------------------------------------------------------------------------
+
+FAMILIES = {  # small random models: Qwen3 (q/k norms), its MoE, Phi-3 (fused qkv), Gemma (scaled
+    # embeddings), GPT-2 (learned positions, one KV head per query head), Gemma-2 (sliding window)
+    "qwen3": dict(head_dim=16), "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=32),
+    "phi3": {}, "gemma": dict(head_dim=16), "gpt2": None, "gemma2": dict(head_dim=16),
+}
+
+
+def small_model(family: str, tokenizer):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    extra = FAMILIES[family]
+    if extra is None:
+        config = AutoConfig.for_model(family, n_embd=64, n_layer=2, n_head=4, **ids)
+    else:
+        config = AutoConfig.for_model(family, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      pad_token_id=tokenizer.pad_token_id, **ids, **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).float().eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_model_families_step_decode_as_generate_in_one_graph_or_fall_back(backends, family):
+    """Issue 33: the step decoder works for every model family the hf backend loads, or says in
+    one line that it can't. Each family's greedy tokens equal eager generate's, with the model's
+    attention and with grouped. The compiled step (``aot_eager``) is one graph. Gemma-2's sliding
+    window layers fall back to generate, with its note."""
+    from torch._dynamo.utils import counters
+
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+    from sptool.models.step_decoder import StepDecoder
+
+    tokenizer = backends[0].tokenizer
+    model = small_model(family, tokenizer)
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    want = tokens_of(HFBackend.from_model(model, tokenizer, model_id=family, batch_size=8).generate(PROMPTS, 2, params))
+    for attention in ("model", "grouped"):
+        notes: list[str] = []
+        fast = HFBackend.from_model(model, tokenizer, model_id=family, batch_size=8, decoder="step",
+                                    decode_attention=attention, log=notes.append)
+        if family != "gemma2":  # a preset decoder skips the backend's check of the model
+            fast._step_decoder = StepDecoder(model, compile=True,
+                                             compile_options=dict(backend="aot_eager", dynamic=False))
+        graphs = counters["stats"]["unique_graphs"]
+        assert tokens_of(fast.generate(PROMPTS, 2, params)) == want
+        if family == "gemma2":
+            assert fast.decoder == "generate"
+            assert [note for note in notes if "step decoder" in note] == [
+                "note: the step decoder can't run this model (cache layers of type StaticSlidingWindowLayer (only "
+                "full attention is step-decoded)); decoding with transformers' generate (model.decoder=generate)"]
+        else:
+            assert fast.decoder == "step" and fast._step_proven
+            assert counters["stats"]["unique_graphs"] - graphs == 1  # the whole step, no break
