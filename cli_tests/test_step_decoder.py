@@ -480,3 +480,35 @@ def test_other_model_families_step_decode_as_generate_in_one_graph_or_fall_back(
         else:
             assert fast.decoder == "step" and fast._step_proven
             assert counters["stats"]["unique_graphs"] - graphs == 1  # the whole step, no break
+
+
+@pytest.mark.slow
+def test_a_new_cache_that_does_not_fit_drops_the_kept_ones_first(backends, monkeypatch):
+    """Issue 33's memory: each (rows, length) bucket keeps its static cache, and at the 0.6B shape
+    two 448-position caches of 512 rows did not fit beside the trainer. A new cache first drops the
+    least recently used kept ones while the device lacks the room, with one line each. The
+    estimate of a new cache's bytes is what it then holds."""
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+
+    eager, _ = backends
+    notes: list[str] = []
+    step = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, decoder="step",
+                                log=notes.append)
+    params = SamplingParams(temperature=0, max_new_tokens=4)
+    assert tokens_of(step.generate(PROMPTS[:2], 1, params)) == tokens_of(eager.generate(PROMPTS[:2], 1, params))
+    (rows, length), = step._caches
+    assert step.cache_bytes() == step.new_cache_bytes(rows, length) > 0
+    one = step.cache_bytes()
+    # a device with room for two of these caches, not for one beside one of twice the rows
+    monkeypatch.setattr(step, "_room_for", lambda need: step.cache_bytes() + need <= 2 * one)
+    want = tokens_of(eager.generate(PROMPTS[:2], 2, params))
+    assert tokens_of(step.generate(PROMPTS[:2], 2, params)) == want
+    assert list(step._caches) == [(2 * rows, length)]
+    assert step.cache_bytes() == step.new_cache_bytes(2 * rows, length) == 2 * one
+    assert [note for note in notes if "dropped" in note] == [
+        f"hf: dropped the KV cache of {rows} rows x {length} positions to make room for {2 * rows} x {length} "
+        f"({2 * one / 1024 ** 3:.2f} GiB)"]
+    monkeypatch.setattr(step, "_room_for", lambda need: step.cache_bytes() + need <= 3 * one)
+    step.generate(PROMPTS[:2], 1, params)  # room for the small one beside the large one: both kept
+    assert list(step._caches) == [(2 * rows, length), (rows, length)]

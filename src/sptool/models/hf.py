@@ -38,6 +38,7 @@ from sptool.models.tokenizer import load_tokenizer, render_prompt
 from sptool.core.records import RuntimeFailure, UsageError
 
 MAX_CACHES = 4          # static caches kept between calls (least recently used dropped first)
+CACHE_HEADROOM = 1.25   # a new static cache is made when the device can hold this many times its bytes
 DECODERS = ("generate", "step")
 #: attention while decoding: the model's own, or sptool's grouped one-position attention
 #: (:mod:`sptool.models.decode_attention`; prefill and training keep SDPA)
@@ -235,15 +236,24 @@ class HFBackend:
 
     def _static_cache(self, rows: int, length: int):
         """The kept cache of ``(rows, length)``, reset; a new one (the least recently used one
-        dropped beyond :data:`MAX_CACHES`) announced with its size beside the allocated memory."""
+        dropped beyond :data:`MAX_CACHES`, or while the device lacks the room for the new one)
+        announced with its size beside the allocated memory."""
         from transformers import StaticCache
 
         key = (rows, length)
         cache = self._caches.pop(key, None)
         fresh = cache is None
         if fresh:
-            while len(self._caches) >= MAX_CACHES:
-                self._caches.pop(next(iter(self._caches)))
+            need = self.new_cache_bytes(rows, length)
+            while self._caches:
+                full = len(self._caches) >= MAX_CACHES
+                if not full and self._room_for(need):
+                    break
+                old_rows, old_length = next(iter(self._caches))
+                del self._caches[(old_rows, old_length)]
+                if not full and self.log is not None:
+                    self.log(f"hf: dropped the KV cache of {old_rows} rows x {old_length} positions to make "
+                             f"room for {rows} x {length} ({need / 1024 ** 3:.2f} GiB)")
             from sptool.models.step_decoder import cast_on_store
 
             # under bf16 autocast a layer's keys are float32 and its values bf16: the layers cast
@@ -252,6 +262,28 @@ class HFBackend:
             cache.reset()
         self._caches[key] = cache
         return cache, fresh
+
+    def new_cache_bytes(self, rows: int, length: int) -> int:
+        """What a new static cache of ``rows`` x ``length`` will hold: keys and values of every
+        layer, in the sampler's dtype (autocast's, else the weights')."""
+        config = self.model.config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = getattr(config, "num_attention_heads", None) or 1
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads)
+        layers = getattr(config, "num_hidden_layers", None) or 0
+        dtype = self.autocast or self.model.dtype
+        return 2 * layers * rows * kv_heads * length * head_dim * dtype.itemsize
+
+    def _room_for(self, need: int) -> bool:
+        """Whether the device can hold ``need`` more bytes (with :data:`CACHE_HEADROOM`): its free
+        memory plus what the allocator holds unused. Always on a CPU."""
+        if not self.device.startswith("cuda"):
+            return True
+        torch = self._torch
+        free, _ = torch.cuda.mem_get_info(self.device)
+        spare = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return need * CACHE_HEADROOM <= free + spare
 
     def _report_cache(self, rows: int, length: int) -> None:
         if self.log is None:
