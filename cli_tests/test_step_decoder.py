@@ -326,6 +326,9 @@ def test_a_bf16_split_sampler_step_decodes_as_generate_and_compiles_to_one_graph
         layers = next(iter(step._caches.values())).layers
         assert {type(layer) for layer in layers} == {casting_static_layer()}
         assert {layer.keys.dtype for layer in layers} | {layer.values.dtype for layer in layers} == {torch.bfloat16}
+        (rows, length), = step._caches  # the room check's estimate: bf16 here, generate's static cache float32
+        assert step.new_cache_bytes(rows, length) == step.cache_bytes()
+        assert static.new_cache_bytes(*next(iter(static._caches))) == static.cache_bytes() > step.cache_bytes()
         step._step_decoder = StepDecoder(eager.model, compile=True,
                                          compile_options=dict(backend="aot_eager", dynamic=False))
         graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())

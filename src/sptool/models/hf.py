@@ -265,14 +265,16 @@ class HFBackend:
 
     def new_cache_bytes(self, rows: int, length: int) -> int:
         """What a new static cache of ``rows`` x ``length`` will hold: keys and values of every
-        layer, in the sampler's dtype (autocast's, else the weights')."""
+        layer, in the dtype it will take: the step decoder's is autocast's (else the weights'),
+        ``generate``'s takes its first keys', the weights' dtype (under autocast the keys leave the
+        rotary embedding in float32)."""
         config = self.model.config
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = getattr(config, "num_attention_heads", None) or 1
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads)
         layers = getattr(config, "num_hidden_layers", None) or 0
-        dtype = self.autocast or self.model.dtype
+        dtype = (self.autocast if self.decoder == "step" else None) or self.model.dtype
         return 2 * layers * rows * kv_heads * length * head_dim * dtype.itemsize
 
     def _room_for(self, need: int) -> bool:
