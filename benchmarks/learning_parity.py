@@ -801,22 +801,34 @@ def report(out: Path, reference: str | None = None) -> str:
 
 # ---------------------------------------------------------------------------- main
 
-def run_workers(jobs: list[tuple[str, list[str]]], parallel: int) -> list[str]:
+def run_workers(jobs: list[tuple[str, list[str]]], parallel: int, retries: int = 0) -> list[str]:
     """Run ``(label, command)`` jobs, at most ``parallel`` at once (a new one starts as soon as any
-    ends); the labels of those that failed."""
+    ends); the labels of those that failed. A failed job runs again, up to ``retries`` times, once
+    every job's first run has ended: jobs that share one GPU mostly fail for its memory, and a
+    command that resumes (``sptool run --resume``) goes on from its last finished stage."""
     failed: list[str] = []
-    running: list[tuple[str, subprocess.Popen]] = []
-    pending = list(jobs)
-    while pending or running:
+    running: list[tuple[str, list[str], int, subprocess.Popen]] = []
+    pending = [(label, command, 0) for label, command in jobs]
+    again: list[tuple[str, list[str], int]] = []
+    while pending or running or again:
+        if not pending and not running:
+            pending, again = again, []
         while pending and len(running) < max(1, parallel):
-            label, command = pending.pop(0)
-            print(f"=== {label}", file=sys.stderr, flush=True)
-            running.append((label, subprocess.Popen(command)))
+            label, command, tries = pending.pop(0)
+            print(f"=== {label}" + (f" (again, try {tries + 1})" if tries else ""), file=sys.stderr, flush=True)
+            running.append((label, command, tries, subprocess.Popen(command)))
         time.sleep(0.5)
-        for label, process in [(a, p) for a, p in running if p.poll() is not None]:
-            if process.returncode != 0:
+        for job in [job for job in running if job[3].poll() is not None]:
+            running.remove(job)
+            label, command, tries, process = job
+            if process.returncode == 0:
+                continue
+            if tries < retries:
+                print(f"=== {label} failed (exit {process.returncode}); it runs again once the others have ended",
+                      file=sys.stderr, flush=True)
+                again.append((label, command, tries + 1))
+            else:
                 failed.append(label)
-            running.remove((label, process))
     return failed
 
 

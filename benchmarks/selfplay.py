@@ -960,6 +960,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--parallel", type=int, default=None, help="arms at once (default: 4 on cuda, 1 on cpu; "
                         "more than 4 R-Zero arms ran out of memory on a 140 GB GPU)")
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/selfplay-DEVICE)")
+    parser.add_argument("--retries", type=int, default=1, help="runs of a failed arm again, once the others have "
+                        "ended, resuming its run (an arm beside others mostly fails for GPU memory; default 1)")
     parser.add_argument("--report", default=None, metavar="DIR", help="only write and print the tables of DIR")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -1021,7 +1023,8 @@ def main(argv=None) -> int:
 
     # each arm in its own process: the same start, nothing shared
     failed = run_workers([(f"{arm}-s{seed}", [sys.executable, __file__, *base, "--device", device, "--out", str(out),
-                                              "--worker", f"{arm}:{seed}:{start}"]) for arm, seed in jobs], parallel)
+                                              "--worker", f"{arm}:{seed}:{start}"]) for arm, seed in jobs], parallel,
+                         retries=args.retries)
     print(report(out), end="")
     if failed:
         print(f"failed arms: {', '.join(failed)}", file=sys.stderr)

@@ -110,6 +110,33 @@ def write_jsonl(path, records):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
+def test_an_arm_that_fails_runs_again_once_the_others_have_ended(tmp_path):
+    """Arms share one GPU, and one that runs out of its memory (run 8: R-Quest seed 2 beside three
+    others) runs again alone afterwards, resuming; without retries it is reported failed."""
+    from learning_parity import run_workers
+
+    log = tmp_path / "log.txt"
+    script = (
+        "import pathlib, sys, time\n"
+        "label, log, marker = sys.argv[1], pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])\n"
+        "with log.open('a') as f: f.write(f'start {label}\\n')\n"
+        "time.sleep(0.3)\n"
+        "if label == 'oom' and not marker.exists():\n"
+        "    marker.touch(); sys.exit(1)\n"
+        "with log.open('a') as f: f.write(f'end {label}\\n')\n")
+    def jobs(marker):
+        return [(label, [sys.executable, "-c", script, label, str(log), str(marker)]) for label in ("oom", "a", "b")]
+
+    assert run_workers(jobs(tmp_path / "m1"), parallel=2, retries=1) == []
+    events = log.read_text().split("\n")[:-1]
+    assert events.count("start oom") == 2 and "end oom" in events
+    # the second try starts after the other arms have ended
+    assert events.index("end a") < events.index("start oom", 1) and events.index("end b") < events.index("start oom", 1)
+    log.unlink()
+    assert run_workers(jobs(tmp_path / "m2"), parallel=2) == ["oom"]
+    assert log.read_text().count("start oom") == 1
+
+
 def test_the_report_reads_a_cut_short_arm_from_its_run_directory(tmp_path):
     settings = selfplay.Settings(device="cuda", lr=1e-5, **selfplay.defaults("cuda"))
     settings.heldout, settings.heldout_limit = str(tmp_path / "heldout.jsonl"), 0
