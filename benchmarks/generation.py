@@ -327,14 +327,18 @@ def measure_stages(model: str, args) -> list[dict]:
     rows = []
     for decoder in args.decoder:
         for attention in args.attention:
-            rows += measure_decoder(trainer, model, decoder, args, cuda, attention)
+            for graph in (args.step_graph if decoder == "step" else ["compile"]):
+                rows += measure_decoder(trainer, model, decoder, args, cuda, attention, graph)
     return rows
 
 
-def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attention: str = "model") -> list[dict]:
+def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attention: str = "model",
+                    graph: str = "compile") -> list[dict]:
     """Every stage through one backend (``decoder``: generate or step) over the trainer's live model,
     the sptool arm with ``model.decode_attention = attention`` (model: the model's own SDPA, or
-    grouped: ``sptool.models.decode_attention``); the bare arm always with the model's own."""
+    grouped: ``sptool.models.decode_attention``) and, for the step decoder, ``graph`` (compile:
+    torch.compile's CUDA graphs; capture: sptool's own per cache); the bare arm always eager
+    ``generate`` with the model's own attention."""
     from sptool.models.hf import HFBackend
 
     import torch
@@ -344,6 +348,7 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
                                    compile=not args.no_compile, decoder=decoder, decode_attention=attention,
                                    log=lambda m: print("#", m, file=sys.stderr),
                                    autocast=torch.bfloat16 if args.sampler == "bf16-split" else None)
+    backend.step_graph = graph
     weight_bytes = sum(p.numel() * p.element_size() for p in live.parameters())
     rows = []
     only = {name.strip() for name in (args.only or "").split(",") if name.strip()}
@@ -368,7 +373,7 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
         bare_s, bare_steps, bare_tokens = bare_replay(backend, calls)
         kv = backend.cache_bytes() / max(1, len(backend._caches)) if backend._caches else 0
         row = dict(stage=stage_name, recipe=recipe, shape=args.shape, decoder=decoder, attention=attention,
-                   sampler=args.sampler, decoding=backend.decoding,
+                   graph=graph, sampler=args.sampler, decoding=backend.decoding,
                    calls=len(calls), rows=max(len(c["prompts"]) * c["n"] for c in calls),
                    max_tokens=max(c["params"].max_new_tokens for c in calls), warmup_s=round(warm_s, 1),
                    steps_s=round(steps / seconds, 1), tok_s=round(tokens / seconds, 1),
@@ -376,12 +381,13 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
                    x_bare=round((steps / seconds) / (bare_steps / bare_s), 2),
                    floor_steps_s=round(args.hbm / weight_bytes), kv_floor_steps_s=round(args.hbm / (weight_bytes + kv)))
         rows.append(row)
-        print(f"# {stage_name} ({decoder}, {attention}): {row['steps_s']} steps/s ({row['tok_s']} tok/s) vs bare {row['bare_steps_s']} "
+        print(f"# {stage_name} ({decoder}, {attention}, {graph}): {row['steps_s']} steps/s ({row['tok_s']} tok/s) vs bare {row['bare_steps_s']} "
               f"steps/s: x{row['x_bare']}", file=sys.stderr, flush=True)
         if args.profile:
-            row.update(profile_stage(build, backend, stage_name, f"{decoder}-{attention}", Path(args.profile), cuda))
+            tag = f"{decoder}-{attention}" + ("-capture" if graph == "capture" else "")
+            row.update(profile_stage(build, backend, stage_name, tag, Path(args.profile), cuda))
     rows.append(dict(loop_step_memory(trainer, backend, args, cuda), decoder=decoder, attention=attention,
-                     sampler=args.sampler))
+                     graph=graph, sampler=args.sampler))
     backend.close()
     if cuda:
         import torch
@@ -470,7 +476,7 @@ def loop_step_memory(trainer, backend, args, cuda: bool) -> dict:
     return row
 
 
-STAGE_HEADER = ["stage", "recipe", "shape", "decoder", "attention", "sampler", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",
+STAGE_HEADER = ["stage", "recipe", "shape", "decoder", "attention", "graph", "sampler", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",
                 "tok_s", "bare_steps_s", "bare_tok_s", "x_bare", "floor_steps_s", "kv_floor_steps_s"]
 
 
@@ -548,6 +554,10 @@ def main() -> None:
                         help="--stages: the sptool arm's model.decode_attention, comma-separated: model (the "
                         "model's own SDPA), grouped (sptool.models.decode_attention: one decoding position "
                         "against the cache, read once)")
+    parser.add_argument("--step-graph", default="compile",
+                        help="--stages: how the step decoder's step becomes a CUDA graph, comma-separated: compile "
+                        "(torch.compile's reduce-overhead) or capture (sptool captures each cache's step itself: "
+                        "one replay a token)")
     parser.add_argument("--sampler", default="fp32", choices=["fp32", "bf16-split"],
                         help="--stages: the sptool arm's sampling precision: fp32 (the trainer's float32 policy, "
                         "the default) or bf16-split (bf16 autocast with train.weight_rounding = split, which sees "
@@ -562,6 +572,9 @@ def main() -> None:
     args.attention = [item.strip() for item in args.attention.split(",") if item.strip()] or ["model"]
     if not set(args.attention) <= {"model", "grouped"}:
         parser.error(f"--attention: model or grouped, not {args.attention}")
+    args.step_graph = [item.strip() for item in args.step_graph.split(",") if item.strip()] or ["compile"]
+    if not set(args.step_graph) <= {"compile", "capture"}:
+        parser.error(f"--step-graph: compile or capture, not {args.step_graph}")
     if args.stages:
         args.batch = [int(item) for item in args.batch.split(",")]
         with tempfile.TemporaryDirectory(prefix="sptool-bench-") as workdir:

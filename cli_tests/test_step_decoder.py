@@ -339,6 +339,65 @@ def test_a_bf16_split_sampler_step_decodes_as_generate_and_compiles_to_one_graph
         eager.close()
 
 
+@pytest.mark.slow
+def test_a_captured_step_keeps_its_buffers_per_cache_and_is_made_again_when_a_weight_moves(backends):
+    """``graph="capture"``: the loop runs over the captured step's own buffers, one step per cache
+    and sampling variant, reused by the next call on that cache (a CUDA graph is captured once),
+    and made again when a weight is replaced rather than updated in place (a graph reads the
+    addresses it was captured with). Here the base class stands in for the CUDA graph: it replays
+    by calling the compiled step (``aot_eager``) over the same buffers. Tokens are eager
+    ``generate``'s throughout, and the cache ends at the position the uncaptured decoder leaves."""
+    import torch
+
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+    from sptool.models.step_decoder import CapturedStep, StepDecoder
+
+    eager, _ = backends
+    made: list[CapturedStep] = []
+
+    class Recorded(CapturedStep):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    options = dict(backend="aot_eager", dynamic=False)
+    captured = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, decoder="step")
+    captured._step_decoder = StepDecoder(eager.model, compile=True, compile_options=options, graph="capture",
+                                         captured_step=Recorded)
+    plain = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, decoder="step")
+    plain._step_decoder = StepDecoder(eager.model, compile=True, compile_options=options)
+    greedy = SamplingParams(temperature=0, max_new_tokens=12)
+    first = tokens_of(captured.generate(PROMPTS, 2, greedy))
+    check_same_greedy(eager, tokens_of(eager.generate(PROMPTS, 2, greedy)), first)
+    assert len(made) == 1 and made[0].captures == 1  # one batch of 6 rows: one cache, one step
+    counters_captured = [int(layer.cumulative_length) for layer in next(iter(captured._caches.values())).layers]
+    assert tokens_of(plain.generate(PROMPTS, 2, greedy)) == first
+    counters_plain = [int(layer.cumulative_length) for layer in next(iter(plain._caches.values())).layers]
+    assert counters_captured == counters_plain
+    assert tokens_of(captured.generate(PROMPTS, 2, greedy)) == first
+    assert len(made) == 1 and made[0].captures == 1  # the same cache and variant: the kept step
+    sampled = captured.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))
+    assert len(made) == 2 and all(len(row) == 2 for row in sampled)  # another variant: its own step
+    weight = eager.model.model.layers[2].mlp.down_proj.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.mul_(4.0)  # in place, as an optimizer step: the kept step, the new weights
+        scaled = tokens_of(captured.generate(PROMPTS, 2, greedy))
+        assert scaled != first, "the change did not change the greedy output: the test proves nothing"
+        check_same_greedy(eager, tokens_of(eager.generate(PROMPTS, 2, greedy)), scaled)
+        assert len(made) == 2
+        weight.data = weight.detach().clone()  # replaced: a captured graph would read the old memory
+        assert tokens_of(captured.generate(PROMPTS, 2, greedy)) == scaled
+        assert len(made) == 3 and made[2].captures == 1
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    with pytest.raises(ValueError, match="unknown step graph"):
+        StepDecoder(eager.model, graph="trees")
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_compiled_step_decoder_on_gpu_follows_generate_and_weight_changes():
@@ -358,6 +417,9 @@ def test_compiled_step_decoder_on_gpu_follows_generate_and_weight_changes():
                                 decoder="step", log=notes.append)
     grouped = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, compile=True,
                                    decoder="step", decode_attention="grouped", log=notes.append)
+    captured = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, compile=True,
+                                    decoder="step", decode_attention="grouped", log=notes.append)
+    captured.step_graph = "capture"  # sptool's own CUDA graph per cache (step_decoder.CudaGraphStep)
     params = SamplingParams(temperature=0, max_new_tokens=24)
 
     def same(want, got):
@@ -371,6 +433,7 @@ def test_compiled_step_decoder_on_gpu_follows_generate_and_weight_changes():
     same(tokens_of(eager.generate(PROMPTS, 3, params)), before)
     assert fast.decoding == "step-compiled", notes
     same(before, tokens_of(grouped.generate(PROMPTS, 3, params)))  # the grouped decoding attention
+    assert tokens_of(captured.generate(PROMPTS, 3, params)) == tokens_of(grouped.generate(PROMPTS, 3, params))
     assert grouped.decoding == "step-compiled" and eager.model.config._attn_implementation == "sdpa", notes
     with torch.no_grad():
         eager.model.model.layers[2].mlp.down_proj.weight.mul_(4.0)
@@ -378,11 +441,14 @@ def test_compiled_step_decoder_on_gpu_follows_generate_and_weight_changes():
     assert after != before
     same(tokens_of(eager.generate(PROMPTS, 3, params)), after)
     same(after, tokens_of(grouped.generate(PROMPTS, 3, params)))
+    assert tokens_of(captured.generate(PROMPTS, 3, params)) == tokens_of(grouped.generate(PROMPTS, 3, params))
+    drawn = captured.generate(PROMPTS, 3, SamplingParams(temperature=1.0, max_new_tokens=24, seed=3, logprobs=True))
+    assert all(len(s.logprobs) == s.n_tokens for row in drawn for s in row)
     sampled = fast.generate(PROMPTS, 3, SamplingParams(temperature=1.0, max_new_tokens=24, seed=3, logprobs=True))
     assert all(len(s.logprobs) == s.n_tokens for row in sampled for s in row)
     # the one-line notes of a new shape's compile are expected; a fallback to generate is not
     fallbacks = [note for note in notes if "can't run" in note or "eagerly" in note]
-    assert fast.decoding == grouped.decoding == "step-compiled" and not fallbacks, notes
+    assert fast.decoding == grouped.decoding == captured.decoding == "step-compiled" and not fallbacks, notes
     eager.close()
 
 

@@ -190,6 +190,9 @@ class HFBackend:
         self.decoder = decoder
         self.decode_attention = decode_attention
         self.share_prefill = True  # step decoder: one prefill per distinct prompt of a batch
+        # step decoder on CUDA: "compile" (torch.compile's CUDA graphs) or "capture" (sptool captures
+        # each cache's step itself: step_decoder.CudaGraphStep; benchmarks/generation.py --step-graph)
+        self.step_graph = "compile"
         self._step_decoder = None  # built on the first step-decoded call
         self._step_proven = False  # a step-decoded call succeeded (later failures are real errors)
 
@@ -466,7 +469,7 @@ class HFBackend:
                 if why is not None:
                     self._give_up_step(why)
                     return self._generate(prompts, n, params)
-                self._step_decoder = StepDecoder(self.model, compile=self.compile)
+                self._step_decoder = StepDecoder(self.model, compile=self.compile, graph=self.step_graph)
             if self.compile and (rows, length) not in self.shapes_seen and self.log is not None:
                 self.log(f"hf: new decoding shape {rows} rows x {length} positions: compiling or "
                          f"recording the step decoder's CUDA graph (the first compile takes a while)")
