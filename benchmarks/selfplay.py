@@ -315,6 +315,23 @@ def arithmetic_domain(out: Path, heldout: str) -> str:
     return str(target)
 
 
+#: GPU memory an arm may take (float32 runs 4-8: about 20 GB each at --gen-batch 256, 20-41 GB at 1024;
+#: four of them ran out of memory on an 80 GB H100, five on a 140 GB H200)
+GIB_PER_ARM = 24
+
+
+def default_parallel(device: str, total_gib: float | None = None) -> int:
+    """Arms at once: one per :data:`GIB_PER_ARM` of the GPU's memory, 1 to 4 (an H100's 79 GiB:
+    3; an H200's 140 GiB: 4); 1 on a CPU."""
+    if not device.startswith("cuda"):
+        return 1
+    if total_gib is None:
+        import torch
+
+        total_gib = torch.cuda.get_device_properties(torch.device(device)).total_memory / 1024 ** 3
+    return max(1, min(4, int(total_gib // GIB_PER_ARM)))
+
+
 def sptool_run(recipe: str, run_dir: Path, iterations: int, sets: dict, seed: int, label: str) -> None:
     """``sptool run`` in a subprocess, its iteration lines shown with ``label``; raises on failure."""
     command = [sys.executable, "-m", "sptool.cli.main", "run", "--recipe", recipe, "--run-dir", str(run_dir),
@@ -957,8 +974,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "packaged tree and sample pages, run 4: g was 1 on 2-12%% of questions)")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--start", default=None, help="a start checkpoint (skips making one)")
-    parser.add_argument("--parallel", type=int, default=None, help="arms at once (default: 4 on cuda, 1 on cpu; "
-                        "more than 4 R-Zero arms ran out of memory on a 140 GB GPU)")
+    parser.add_argument("--parallel", type=int, default=None, help="arms at once (default on cuda: one per "
+                        f"{GIB_PER_ARM} GiB of the GPU, at most 4; 1 on cpu)")
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/selfplay-DEVICE)")
     parser.add_argument("--retries", type=int, default=1, help="runs of a failed arm again, once the others have "
                         "ended, resuming its run (an arm beside others mostly fails for GPU memory; default 1)")
@@ -1017,7 +1034,7 @@ def main(argv=None) -> int:
     start = str(Path(args.start).resolve()) if args.start else make_start(s, out)
     print(f"=== start checkpoint: {start}", file=sys.stderr, flush=True)
     jobs = [(arm, seed) for arm in arms for seed in (seeds if arm != "start" else seeds[:1])]
-    parallel = args.parallel or (4 if cuda else 1)  # an R-Zero arm holds 20-40 GB of one GPU
+    parallel = args.parallel or default_parallel(device)
     base = list(argv if argv is not None else sys.argv[1:])
     from learning_parity import run_workers
 

@@ -137,6 +137,14 @@ def test_an_arm_that_fails_runs_again_once_the_others_have_ended(tmp_path):
     assert log.read_text().count("start oom") == 1
 
 
+def test_arms_at_once_follow_the_gpus_memory():
+    # run 8: four float32 arms of about 20 GB ran out of memory on an 80 GB H100
+    assert selfplay.default_parallel("cuda", total_gib=79.2) == 3
+    assert selfplay.default_parallel("cuda:0", total_gib=139.8) == 4
+    assert selfplay.default_parallel("cuda", total_gib=16) == 1
+    assert selfplay.default_parallel("cpu") == 1
+
+
 def test_the_report_reads_a_cut_short_arm_from_its_run_directory(tmp_path):
     settings = selfplay.Settings(device="cuda", lr=1e-5, **selfplay.defaults("cuda"))
     settings.heldout, settings.heldout_limit = str(tmp_path / "heldout.jsonl"), 0
