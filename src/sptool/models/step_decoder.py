@@ -161,7 +161,7 @@ class CapturedStep:
     has moved since (a parameter or buffer replaced, not updated in place): a graph reads the
     addresses it was captured with, so a stale step is made again."""
 
-    def __init__(self, function, cache, inputs, constants, weights):
+    def __init__(self, function, cache, inputs, constants, weights, pool=None):
         self.function = function
         self.cache = weakref.ref(cache)  # the decoder keys its steps by the cache: no strong reference
         self.constants = tuple(constants)
@@ -169,7 +169,11 @@ class CapturedStep:
         self.weights = weights
         self.pointers = [tensor.data_ptr() for tensor in weights]
         self.outputs = None
-        self.captures = 0
+
+    @staticmethod
+    def memory_pool():
+        """The memory pool the steps of one decoder share (none: nothing is captured here)."""
+        return None
 
     def stale(self) -> bool:
         return [tensor.data_ptr() for tensor in self.weights] != self.pointers
@@ -181,7 +185,6 @@ class CapturedStep:
     def replay(self):
         if self.outputs is None:
             self.outputs = self.capture()
-            self.captures += 1
             return self.outputs
         return self._replay()
 
@@ -206,6 +209,12 @@ class CudaGraphStep(CapturedStep):
         super().__init__(*args, **kwargs)
         self.pool = pool
         self.graph = None
+
+    @staticmethod
+    def memory_pool():
+        import torch
+
+        return torch.cuda.graph_pool_handle()
 
     def capture(self):
         import torch
@@ -344,9 +353,9 @@ class StepDecoder:
         mask[:, :prompt_length] = attention_mask.index_select(0, row_map)
         cuda = device.type == "cuda"
         if self.graph == "capture":
-            captured = self._captured_step(cache, [current, positions, mask, finished, lengths, temperature_t,
-                                                   top_p_t, eos], (pad_id, sample, nucleus))
-            captured.load([current, positions, mask, finished, lengths, temperature_t, top_p_t, eos])
+            state = [current, positions, mask, finished, lengths, temperature_t, top_p_t, eos]
+            captured = self._captured_step(cache, state, (pad_id, sample, nucleus))
+            captured.load(state)
             # the loop's state is the captured step's own buffers from here on
             current, positions, mask, finished, lengths = captured.inputs[:5]
             step = captured.replay
@@ -396,14 +405,11 @@ class StepDecoder:
         steps = self._captured.setdefault(cache, {})
         captured = steps.get(variant)
         if captured is None or captured.stale():
-            options = {}
-            if self.captured_step is CudaGraphStep:
-                import torch
-
-                self._pool = self._pool or torch.cuda.graph_pool_handle()
-                options = dict(pool=self._pool)
+            if self._pool is None:
+                self._pool = self.captured_step.memory_pool()
             weights = [*self.model.parameters(), *self.model.buffers()]
-            captured = steps[variant] = self.captured_step(self._step, cache, inputs, constants, weights, **options)
+            captured = steps[variant] = self.captured_step(self._step, cache, inputs, constants, weights,
+                                                           pool=self._pool)
         return captured
 
     @staticmethod
