@@ -454,6 +454,51 @@ def test_compiled_step_decoder_on_gpu_follows_generate_and_weight_changes():
 
 @pytest.mark.gpu
 @pytest.mark.slow
+def test_a_captured_step_draws_new_noise_each_replay_and_a_seed_repeats_on_gpu():
+    """CUDA: sptool's own CUDA graph of a step (``graph="capture"``) samples as a seeded sampler
+    should. Each replay draws new noise: a graph that replayed its capture's draw would give every
+    step of a row one fixed exponential race. A seed draws the same in the call that captures (its
+    warm-up calls draw too) as in a call that replays; another seed draws otherwise."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+    from sptool.models.step_decoder import CudaGraphStep
+
+    def race(cache, x):  # the sampler's noise, compiled without torch's CUDA graphs as the decoder's step
+        return x + torch.empty_like(x).exponential_(1)
+
+    class Cache:  # a stand-in the step refers to weakly; no layers to put back
+        pass
+
+    cache = Cache()
+    pool = CudaGraphStep.memory_pool()
+    torch.manual_seed(11)
+    step = CudaGraphStep(torch.compile(race), cache, [torch.zeros(4096, device="cuda")], (), [], pool=pool)
+    first = step.replay().clone()
+    second = step.replay().clone()
+    assert not torch.equal(first, second), "a replay drew its capture's noise again"
+    assert abs(first.mean().item() - 1.0) < 0.1 and abs(second.mean().item() - 1.0) < 0.1  # Exp(1)
+    torch.manual_seed(11)
+    assert torch.equal(step.replay(), first), "the capturing call's warm-ups moved the seed's draws"
+
+    eager = HFBackend("tiny", device="cuda", batch_size=8)
+    captured = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, compile=True,
+                                    decoder="step", decode_attention="grouped")
+    captured.step_graph = "capture"
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=3, logprobs=True)
+    drawn = tokens_of(captured.generate(PROMPTS, 3, params))  # captures
+    assert tokens_of(captured.generate(PROMPTS, 3, params)) == drawn  # replays
+    other = SamplingParams(temperature=1.0, max_new_tokens=24, seed=4, logprobs=True)
+    assert tokens_of(captured.generate(PROMPTS, 3, other)) != drawn
+    assert captured.decoding == "step-compiled"
+    eager.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
 def test_a_bf16_split_sampler_compiles_to_one_graph_on_gpu():
     """CUDA: a bf16-split sampler (the split linears take ``torch.mm(out_dtype=float32)`` there) step
     decodes through the compiled step with grouped attention without a graph break. On an H100 it

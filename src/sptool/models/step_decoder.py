@@ -202,8 +202,10 @@ class CudaGraphStep(CapturedStep):
     """The step captured as one :class:`torch.cuda.CUDAGraph` (after two warm-up calls on a side
     stream, which compile it): each token is then one ``replay()``. The warm-up calls write the
     first step's keys and values where the first replay writes them again; the cache layers'
-    position counters they advance are put back. Every graph of a decoder shares one memory pool:
-    a replay's outputs are copied out before the next replay of any graph."""
+    position counters and the random generator's state they advance are put back (a seed draws the
+    same samples in a call that captures as in one that replays). A replay draws new noise: the
+    generator's offset moves on at each. Every graph of a decoder shares one memory pool: a
+    replay's outputs are copied out before the next replay of any graph."""
 
     def __init__(self, *args, pool=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -221,6 +223,7 @@ class CudaGraphStep(CapturedStep):
 
         layers = getattr(self.cache(), "layers", [])
         counters = [layer.cumulative_length.clone() for layer in layers]
+        random_state = torch.cuda.get_rng_state()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -229,6 +232,7 @@ class CudaGraphStep(CapturedStep):
                 for layer, counter in zip(layers, counters):
                     layer.cumulative_length.copy_(counter)
         torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.set_rng_state(random_state)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=self.pool):
             outputs = self._call()
