@@ -346,9 +346,9 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
     live = trainer.accelerator.unwrap_model(trainer.model)
     backend = HFBackend.from_model(live, trainer.tokenizer, model_id=model, batch_size=args.batch[0],
                                    compile=not args.no_compile, decoder=decoder, decode_attention=attention,
+                                   step_graph=graph,
                                    log=lambda m: print("#", m, file=sys.stderr),
                                    autocast=torch.bfloat16 if args.sampler == "bf16-split" else None)
-    backend.step_graph = graph
     weight_bytes = sum(p.numel() * p.element_size() for p in live.parameters())
     rows = []
     only = {name.strip() for name in (args.only or "").split(",") if name.strip()}

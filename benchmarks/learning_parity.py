@@ -120,6 +120,9 @@ SPTOOL_ARMS = {
     # generation against TRL's, the curve against the default's), and the same over the bf16-split
     # sampler (bf16 prefill and GEMMs, a bf16 KV cache), the path to 5x bare generate in greedy eval
     "sptool-step": {"model.decoder": "step", "model.decode_attention": "grouped"},
+    # ... with sptool's own CUDA graph per KV cache (model.step_graph = capture): one replay a token
+    "sptool-step-capture": {"model.decoder": "step", "model.decode_attention": "grouped",
+                            "model.step_graph": "capture"},
     "sptool-bf16-split-step": {"train.mixed_precision": "bf16", "model.dtype": "bf16", "train.old_logprobs": "trainer",
                                "train.weight_rounding": "split", "model.decoder": "step",
                                "model.decode_attention": "grouped"},

@@ -157,6 +157,8 @@ def test_merge_order_set_beats_config_beats_tiny_beats_recipe(cli, tmp_path):
     (["--set", "train.start_optimizer=keep"], "key 'train.start_optimizer': unknown value 'keep'. Choose from: fresh, restore"),
     (["--set", "model.decode_attention=flash"],
      "key 'model.decode_attention': unknown value 'flash'. Choose from: grouped, model"),
+    (["--set", "model.step_graph=trees"],
+     "key 'model.step_graph': unknown value 'trees'. Choose from: capture, compile"),
 ])
 def test_bad_overrides_are_one_line_usage_errors(args, message):
     result = run_sptool("recipes", "show", "wist", *args)

@@ -22,6 +22,7 @@ def test_decoder_and_decode_attention_are_typed_model_settings_off_by_default():
 
     assert ModelConfig().decoder == "generate"
     assert ModelConfig().decode_attention == "model"
+    assert ModelConfig().step_graph == "compile"
 
 
 def test_rows_share_their_prompt_and_padding_rows_repeat_the_last():
@@ -340,6 +341,27 @@ def test_a_bf16_split_sampler_step_decodes_as_generate_and_compiles_to_one_graph
 
 
 @pytest.mark.slow
+def test_a_runs_step_graph_setting_reaches_its_backend(tmp_path):
+    """``--set model.step_graph=capture`` is the loaded hf backend's step graph; an unknown one is
+    a usage error from the backend too (Python callers)."""
+    from sptool.core.records import UsageError
+    from sptool.models.hf import HFBackend
+    from sptool.recipes import load_config
+    from sptool.run.run_dir import RunDir
+    from sptool.run.session import Session
+
+    config = load_config("rlvr")
+    config["model"].update(device="cpu", decoder="step", step_graph="capture")
+    backend = Session(config, RunDir(tmp_path)).load_generator("tiny")
+    try:
+        assert (backend.decoder, backend.step_graph) == ("step", "capture")
+        with pytest.raises(UsageError, match="unknown step graph 'trees'"):
+            HFBackend.from_model(backend.model, backend.tokenizer, model_id="tiny", step_graph="trees")
+    finally:
+        backend.close()
+
+
+@pytest.mark.slow
 def test_a_captured_step_keeps_its_buffers_per_cache_and_is_made_again_when_a_weight_moves(backends):
     """``graph="capture"``: the loop runs over the captured step's own buffers, one step per cache
     and sampling variant, reused by the next call on that cache (a CUDA graph is captured once),
@@ -418,8 +440,8 @@ def test_compiled_step_decoder_on_gpu_follows_generate_and_weight_changes():
     grouped = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, compile=True,
                                    decoder="step", decode_attention="grouped", log=notes.append)
     captured = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, compile=True,
-                                    decoder="step", decode_attention="grouped", log=notes.append)
-    captured.step_graph = "capture"  # sptool's own CUDA graph per cache (step_decoder.CudaGraphStep)
+                                    decoder="step", decode_attention="grouped", log=notes.append,
+                                    step_graph="capture")  # sptool's own CUDA graph per cache (CudaGraphStep)
     params = SamplingParams(temperature=0, max_new_tokens=24)
 
     def same(want, got):
@@ -486,8 +508,7 @@ def test_a_captured_step_draws_new_noise_each_replay_and_a_seed_repeats_on_gpu()
 
     eager = HFBackend("tiny", device="cuda", batch_size=8)
     captured = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, compile=True,
-                                    decoder="step", decode_attention="grouped")
-    captured.step_graph = "capture"
+                                    decoder="step", decode_attention="grouped", step_graph="capture")
     params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=3, logprobs=True)
     drawn = tokens_of(captured.generate(PROMPTS, 3, params))  # captures
     assert tokens_of(captured.generate(PROMPTS, 3, params)) == drawn  # replays

@@ -34,6 +34,7 @@ from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, spli
 from sptool.models.hf_decoding import (FinishedRows, LogprobRecorder, TokenProgress, bucket_length, bucket_rows,
                                        regional_compile_off)
 from sptool.models.resolve import resolve_model
+from sptool.models.step_decoder import STEP_GRAPHS
 from sptool.models.tokenizer import load_tokenizer, render_prompt
 from sptool.core.records import RuntimeFailure, UsageError
 
@@ -89,8 +90,8 @@ class HFBackend:
 
     def __init__(self, model: str = "tiny", *, device: str | None = None, dtype: str | None = None,
                  batch_size: int = 64, chat_template: bool = True, static_cache: bool = False,
-                 compile: bool = False, decoder: str = "generate", decode_attention: str = "model", log=None,
-                 **_: Any):
+                 compile: bool = False, decoder: str = "generate", decode_attention: str = "model",
+                 step_graph: str = "compile", log=None, **_: Any):
         import torch
         import transformers
         from transformers import AutoModelForCausalLM
@@ -116,13 +117,14 @@ class HFBackend:
             raise load_failure(model, exc) from None
         self._attach(model_obj.to(device).eval(), tokenizer, model_id=model, path=path, device=device,
                      batch_size=batch_size, chat_template=chat_template, static_cache=static_cache,
-                     compile=compile, decoder=decoder, decode_attention=decode_attention, log=log)
+                     compile=compile, decoder=decoder, decode_attention=decode_attention, step_graph=step_graph,
+                     log=log)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, *, model_id: str, batch_size: int = 64,
                    chat_template: bool = True, static_cache: bool = False, compile: bool = False,
-                   decoder: str = "generate", decode_attention: str = "model", log=None,
-                   autocast=None) -> "HFBackend":
+                   decoder: str = "generate", decode_attention: str = "model", step_graph: str = "compile",
+                   log=None, autocast=None) -> "HFBackend":
         """A backend over an already loaded ``model`` (e.g. a trainer's policy: no copy, so it
         always generates with the current weights, whatever their dtype; the compiled path reads
         the parameters in place too). ``tokenizer`` None: loaded from ``model_id``.
@@ -133,7 +135,7 @@ class HFBackend:
         backend._attach(model, tokenizer if tokenizer is not None else load_tokenizer(model_id),
                         model_id=model_id, path=model_id, batch_size=batch_size, chat_template=chat_template,
                         static_cache=static_cache, compile=compile, decoder=decoder,
-                        decode_attention=decode_attention, log=log)
+                        decode_attention=decode_attention, step_graph=step_graph, log=log)
         backend.autocast = autocast
         return backend
 
@@ -144,7 +146,8 @@ class HFBackend:
 
     def _attach(self, model, tokenizer, *, model_id: str, path: str, batch_size: int, chat_template: bool,
                 device: str | None = None, static_cache: bool = False, compile: bool = False,
-                decoder: str = "generate", decode_attention: str = "model", log=None) -> None:
+                decoder: str = "generate", decode_attention: str = "model", step_graph: str = "compile",
+                log=None) -> None:
         """Every attribute a backend has, set in one place (by ``__init__`` and ``from_model``).
 
         ``compile`` is honoured on CUDA only (elsewhere it is ignored: eager decoding, unless
@@ -152,7 +155,9 @@ class HFBackend:
         ``decoder``: ``generate`` (transformers' own) or ``step`` (:mod:`sptool.models.step_decoder`;
         ``compile`` then compiles its whole step). ``decode_attention``: ``model`` (the model's own
         attention) or ``grouped`` (:mod:`sptool.models.decode_attention`, switched on around each
-        ``generate`` call only, so a shared trainer's forwards keep the model's own)."""
+        ``generate`` call only, so a shared trainer's forwards keep the model's own). ``step_graph``
+        (the step decoder on CUDA): ``compile`` (torch.compile's CUDA graphs) or ``capture`` (sptool
+        captures each cache's step itself: :class:`sptool.models.step_decoder.CudaGraphStep`)."""
         import torch
 
         if decoder not in DECODERS:
@@ -160,6 +165,8 @@ class HFBackend:
         if decode_attention not in DECODE_ATTENTIONS:
             raise UsageError(f"unknown decode attention '{decode_attention}'; choose from "
                              f"{', '.join(DECODE_ATTENTIONS)}")
+        if step_graph not in STEP_GRAPHS:
+            raise UsageError(f"unknown step graph '{step_graph}'; choose from {', '.join(STEP_GRAPHS)}")
 
         parameter = next(model.parameters())
         self.model_id, self.path = model_id, path
@@ -190,9 +197,7 @@ class HFBackend:
         self.decoder = decoder
         self.decode_attention = decode_attention
         self.share_prefill = True  # step decoder: one prefill per distinct prompt of a batch
-        # step decoder on CUDA: "compile" (torch.compile's CUDA graphs) or "capture" (sptool captures
-        # each cache's step itself: step_decoder.CudaGraphStep; benchmarks/generation.py --step-graph)
-        self.step_graph = "compile"
+        self.step_graph = step_graph
         self._step_decoder = None  # built on the first step-decoded call
         self._step_proven = False  # a step-decoded call succeeded (later failures are real errors)
 

@@ -69,6 +69,10 @@ class ModelConfig:
                                     "own, SDPA) or grouped (one decoding position against the KV cache as "
                                     "a grouped-query matmul: keys and values read once, no repeat_kv "
                                     "copy; prefill and training keep SDPA)", choices=("model", "grouped"))
+    step_graph: str = setting("compile", "hf backend, the step decoder on CUDA: how its compiled step becomes "
+                              "a CUDA graph: compile (torch.compile's reduce-overhead graphs) or capture "
+                              "(sptool captures each KV cache's step once: a token is one graph replay, "
+                              "without dynamo's guards and input copies)", choices=("compile", "capture"))
     base_url: str = setting("", "openai backend: server URL(s), comma-separated (--base-url; `sptool "
                             "serve` starts one); empty: $SPTOOL_BASE_URL or http://127.0.0.1:8000/v1")
 

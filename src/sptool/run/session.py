@@ -84,7 +84,7 @@ class Policy:
                     trainer.accelerator.unwrap_model(trainer.model), trainer.tokenizer,
                     model_id=str(trainer.config.model), batch_size=c.gen_batch_size,
                     chat_template=c.chat_template, compile=c.compile_generation, decoder=c.decoder,
-                    decode_attention=c.decode_attention, log=self.session.say,
+                    decode_attention=c.decode_attention, step_graph=c.step_graph, log=self.session.say,
                     autocast=shared_sampler_autocast(c.dtype or None, str(trainer.device)))
                 dist = self.session.dist
                 if dist is not None and dist.is_main and dist.world > 1:
@@ -265,6 +265,7 @@ class Session(Training):
             options["compile"] = c.compile_generation  # honoured on CUDA only
             options["decoder"] = c.decoder
             options["decode_attention"] = c.decode_attention
+            options["step_graph"] = c.step_graph
         lora_r = self.settings.train.lora_r
         if c.backend == "vllm" and lora_r:  # adapters swapped into the running engine
             options.update(enable_lora=True, max_lora_rank=next(r for r in (8, 16, 32, 64, 128, 256, 512)
