@@ -480,6 +480,30 @@ STAGE_HEADER = ["stage", "recipe", "shape", "decoder", "attention", "graph", "sa
                 "tok_s", "bare_steps_s", "bare_tok_s", "x_bare", "floor_steps_s", "kv_floor_steps_s"]
 
 
+#: issue 33's target: every generating stage at this many times bare ``generate``'s decode steps/s
+TARGET_X_BARE = {"tiny": 5.0, "0.6b": 3.0}
+
+
+def target_lines(rows: list[dict]) -> list[str]:
+    """Per sptool arm (shape, decoder, attention, step graph, sampler): its slowest stage against
+    bare ``generate`` and whether every stage reaches :data:`TARGET_X_BARE` for its shape."""
+    arms: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if "x_bare" in row:
+            key = (row["shape"], row["decoder"], row["attention"], row["graph"], row["sampler"])
+            arms.setdefault(key, []).append(row)
+    lines = []
+    for (shape, *arm), stages in arms.items():
+        slowest = min(stages, key=lambda row: row["x_bare"])
+        target = TARGET_X_BARE.get(shape)
+        verdict = "" if target is None else (f"; every stage >= {target:g}x: "
+                                             + ("yes" if slowest["x_bare"] >= target else "no"))
+        counted = f"{len(stages)} stages" if len(stages) > 1 else "1 stage"
+        lines.append(f"{shape} {'/'.join(arm)}: slowest of {counted}: {slowest['stage']} at "
+                     f"{slowest['x_bare']}x bare{verdict}")
+    return lines
+
+
 def measure(name: str, model: str, batch: int, args) -> dict:
     from sptool.models.base import SamplingParams, load_backend
     from sptool.prompts import load_template
@@ -595,6 +619,9 @@ def main() -> None:
         for row in rows:
             if "steps_s" not in row:
                 print("# " + json.dumps(row))
+        for line in target_lines(rows):
+            print("# " + line)
+            print("# " + line, file=sys.stderr)
         return
 
     rows = []

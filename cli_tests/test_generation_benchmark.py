@@ -32,6 +32,20 @@ def test_device_busy_time_counts_each_kernel_once():
     assert generation.device_busy_us([]) == 0
 
 
+def test_the_target_line_names_each_arms_slowest_stage_against_its_shapes_target():
+    def row(stage, x, shape="tiny", graph="capture"):
+        return dict(stage=stage, shape=shape, decoder="step", attention="grouped", graph=graph,
+                    sampler="bf16-split", x_bare=x)
+
+    rows = [row("solve", 6.1), row("eval (greedy)", 4.92), row("solve", 7.0, graph="compile"),
+            row("eval (greedy)", 5.0, graph="compile"), row("solve", 3.2, shape="0.6b"),
+            {"stage": "loop-step memory", "shape": "tiny"}]
+    assert generation.target_lines(rows) == [
+        "tiny step/grouped/capture/bf16-split: slowest of 2 stages: eval (greedy) at 4.92x bare; every stage >= 5x: no",
+        "tiny step/grouped/compile/bf16-split: slowest of 2 stages: eval (greedy) at 5.0x bare; every stage >= 5x: yes",
+        "0.6b step/grouped/capture/bf16-split: slowest of 1 stage: solve at 3.2x bare; every stage >= 3x: yes"]
+
+
 def test_the_bare_arm_runs_the_trainers_compiled_layers_eagerly(tiny_model_dir):
     """The bare arm replays over the trainer's model, whose decoder layers are regionally compiled
     on CUDA. It must run them plain: through the compiled forward, every layer_idx and cache
