@@ -292,6 +292,36 @@ def test_a_model_the_step_decoder_cannot_run_falls_back_to_generate_with_one_lin
 
 
 @pytest.mark.slow
+def test_a_step_that_cannot_be_captured_falls_back_to_torch_compiles_graphs_with_one_line(backends):
+    """``model.step_graph = capture`` on a model whose step can't be captured (here a captured step
+    that raises as a CUDA capture does on an op it can't record): one logged line, then the step
+    decoder with torch.compile's graphs, not ``generate``; the tokens are eager ``generate``'s."""
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+    from sptool.models.step_decoder import CapturedStep, StepDecoder
+
+    class Uncapturable(CapturedStep):
+        def capture(self):
+            raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    eager, _ = backends
+    notes: list[str] = []
+    backend = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, decoder="step",
+                                   step_graph="capture", log=notes.append)
+    backend._step_decoder = StepDecoder(eager.model, compile=True, graph="capture", captured_step=Uncapturable,
+                                        compile_options=dict(backend="aot_eager", dynamic=False))
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    got = tokens_of(backend.generate(PROMPTS, 1, params))
+    check_same_greedy(eager, tokens_of(eager.generate(PROMPTS, 1, params)), got)
+    assert backend.decoder == "step" and backend.step_graph == "compile" and backend._step_proven
+    assert backend._step_decoder.graph == "compile"
+    backend.generate(PROMPTS, 1, params)
+    assert [note for note in notes if "note:" in note] == [
+        "note: capturing the step decoder's CUDA graph failed on its first call (RuntimeError: operation not "
+        "permitted when stream is capturing); its graphs come from torch.compile instead (model.step_graph=compile)"]
+
+
+@pytest.mark.slow
 def test_a_bf16_split_sampler_step_decodes_as_generate_and_compiles_to_one_graph():
     """A bf16 sampler (bf16 autocast over split-rounded linears: ``--sampler bf16-split``, a run with
     ``train.weight_rounding = split``). A Llama layer's keys leave the rotary embedding in float32

@@ -219,6 +219,16 @@ class HFBackend:
         self._step_decoder = None
         self._caches.clear()
 
+    def _give_up_capture(self, why: str) -> None:
+        """The step decoder's first captured call failed: say why once and let torch.compile make its
+        CUDA graphs from now on (the step decoder itself stays)."""
+        if self.log is not None:
+            self.log(f"note: capturing the step decoder's CUDA graph failed on its first call ({why[:200]}); "
+                     f"its graphs come from torch.compile instead (model.step_graph=compile)")
+        self.step_graph = "compile"
+        self._step_decoder = None
+        self._caches.clear()
+
     @property
     def decoding(self) -> str:
         """How this backend decodes: ``compiled`` (static cache + CUDA graphs), ``static`` or ``eager``;
@@ -492,6 +502,9 @@ class HFBackend:
                     if self._step_proven or isinstance(exc, torch.cuda.OutOfMemoryError):
                         raise
                     first = (str(exc).strip().splitlines() or [""])[0][:200]
+                    if self._step_decoder.graph == "capture":
+                        self._give_up_capture(f"{type(exc).__name__}: {first}")
+                        return self._generate_step(prompts, n, params)
                     self._give_up_step(f"its first call failed: {type(exc).__name__}: {first}")
                     return self._generate(prompts, n, params)
             self._step_proven = True
