@@ -168,6 +168,7 @@ class CapturedStep:
         self.inputs = [tensor.clone() for tensor in inputs]
         self.weights = weights
         self.pointers = [tensor.data_ptr() for tensor in weights]
+        self.pool = pool
         self.outputs = None
 
     @staticmethod
@@ -207,10 +208,7 @@ class CudaGraphStep(CapturedStep):
     generator's offset moves on at each. Every graph of a decoder shares one memory pool: a
     replay's outputs are copied out before the next replay of any graph."""
 
-    def __init__(self, *args, pool=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.pool = pool
-        self.graph = None
+    graph = None  # the captured torch.cuda.CUDAGraph
 
     @staticmethod
     def memory_pool():
