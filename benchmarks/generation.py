@@ -205,6 +205,51 @@ class Recorder:
         pass
 
 
+class PhaseClock:
+    """While entered: the step decoder's prefill and its whole ``decode`` (prefill + token loop +
+    read-back) timed with a synchronisation on each side, so a stage's seconds split into the
+    prefill, the token loop and the host's work around them (rendering, tokenising, decoding text)."""
+
+    def __init__(self, backend):
+        self.backend, self.prefill_s, self.decode_s = backend, 0.0, 0.0
+
+    def _timed(self, function, total: str):
+        clock = self
+
+        def timed(*args, **kwargs):
+            sync(clock.backend)
+            began = time.perf_counter()
+            out = function(*args, **kwargs)
+            sync(clock.backend)
+            setattr(clock, total, getattr(clock, total) + time.perf_counter() - began)
+            return out
+
+        return timed
+
+    def __enter__(self):
+        from sptool.models.step_decoder import StepDecoder
+
+        self.saved = StepDecoder.prefill, StepDecoder.decode
+        StepDecoder.prefill = self._timed(StepDecoder.prefill, "prefill_s")
+        StepDecoder.decode = self._timed(StepDecoder.decode, "decode_s")
+        return self
+
+    def __exit__(self, *exc):
+        from sptool.models.step_decoder import StepDecoder
+
+        StepDecoder.prefill, StepDecoder.decode = self.saved
+        return False
+
+    def split(self, seconds: float, calls: int) -> dict:
+        """Milliseconds a call: prefill, token loop (decode less prefill), host (the rest)."""
+        if not self.decode_s:
+            return {}
+        per_call = 1000 / max(1, calls)
+        return dict(prefill_ms=round(self.prefill_s * per_call, 1),
+                    loop_ms=round((self.decode_s - self.prefill_s) * per_call, 1),
+                    host_ms=round((seconds - self.decode_s) * per_call, 1))
+
+
 def sync(backend) -> None:
     import torch
 
@@ -362,7 +407,8 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
         warm_s = time.perf_counter() - compile_start
         recorder.calls = []
         stage, records = build(recorder)
-        list(stage.run(json.loads(json.dumps(records))))
+        with PhaseClock(backend) as phases:
+            list(stage.run(json.loads(json.dumps(records))))
         calls = recorder.calls
         if not calls:
             print(f"# {stage_name}: no generate call at this size", file=sys.stderr)
@@ -379,10 +425,13 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
                    steps_s=round(steps / seconds, 1), tok_s=round(tokens / seconds, 1),
                    bare_steps_s=round(bare_steps / bare_s, 1), bare_tok_s=round(bare_tokens / bare_s, 1),
                    x_bare=round((steps / seconds) / (bare_steps / bare_s), 2),
-                   floor_steps_s=round(args.hbm / weight_bytes), kv_floor_steps_s=round(args.hbm / (weight_bytes + kv)))
+                   floor_steps_s=round(args.hbm / weight_bytes), kv_floor_steps_s=round(args.hbm / (weight_bytes + kv)),
+                   **phases.split(seconds, len(calls)))
         rows.append(row)
+        where = (f" (a call: prefill {row['prefill_ms']} ms, token loop {row['loop_ms']} ms, host {row['host_ms']} ms)"
+                 if "loop_ms" in row else "")
         print(f"# {stage_name} ({decoder}, {attention}, {graph}): {row['steps_s']} steps/s ({row['tok_s']} tok/s) vs bare {row['bare_steps_s']} "
-              f"steps/s: x{row['x_bare']}", file=sys.stderr, flush=True)
+              f"steps/s: x{row['x_bare']}{where}", file=sys.stderr, flush=True)
         if args.profile:
             tag = f"{decoder}-{attention}" + ("-capture" if graph == "capture" else "")
             row.update(profile_stage(build, backend, stage_name, tag, Path(args.profile), cuda))
@@ -477,7 +526,8 @@ def loop_step_memory(trainer, backend, args, cuda: bool) -> dict:
 
 
 STAGE_HEADER = ["stage", "recipe", "shape", "decoder", "attention", "graph", "sampler", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",
-                "tok_s", "bare_steps_s", "bare_tok_s", "x_bare", "floor_steps_s", "kv_floor_steps_s"]
+                "tok_s", "bare_steps_s", "bare_tok_s", "x_bare", "floor_steps_s", "kv_floor_steps_s",
+                "prefill_ms", "loop_ms", "host_ms"]
 
 
 #: issue 33's target: every generating stage at this many times bare ``generate``'s decode steps/s

@@ -78,3 +78,30 @@ def test_the_bare_arm_runs_the_trainers_compiled_layers_eagerly(tiny_model_dir):
             layer._compiled_call_impl = None
         backend.close()
         torch._dynamo.reset()
+
+
+def test_the_phase_clock_splits_a_step_decoded_call_into_prefill_token_loop_and_host(tiny_model_dir):
+    """``--stages`` rows of the step decoder carry where a call's time goes: the prefill, the token
+    loop and the host's work around them add up to the call, and the decoder is unpatched after."""
+    import time
+
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+    from sptool.models.step_decoder import StepDecoder
+
+    backend = HFBackend("tiny", device="cpu", batch_size=4, decoder="step")
+    prefill, decode = StepDecoder.prefill, StepDecoder.decode
+    try:
+        params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=1)
+        with generation.PhaseClock(backend) as phases:
+            began = time.perf_counter()
+            backend.generate(["What is 2 + 3?", "Name a colour."], 2, params)
+            seconds = time.perf_counter() - began
+        assert (StepDecoder.prefill, StepDecoder.decode) == (prefill, decode)
+        split = phases.split(seconds, calls=1)
+        assert split["prefill_ms"] > 0 and split["loop_ms"] > 0 and split["host_ms"] >= 0
+        assert abs(sum(split.values()) - seconds * 1000) < 0.5
+        assert 0 < phases.prefill_s < phases.decode_s < seconds
+        assert generation.PhaseClock(backend).split(1.0, calls=1) == {}  # no step-decoded call: no columns
+    finally:
+        backend.close()
