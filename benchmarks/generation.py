@@ -512,10 +512,14 @@ def loop_step_memory(trainer, backend, args, cuda: bool) -> dict:
                "rewards": [float(i % 2) for i, _ in enumerate(r["samples"])],
                "old_logprobs": [s.get("logprobs") for s in r["samples"]]} for r in solved]
     start = time.perf_counter()
-    trainer.update(groups)
     gib = 1024 ** 3
     row = {"stage": "loop-step memory", "shape": args.shape, "rows": len(records) * k,
            "generate_s": round(generate_s, 2), "kv_cache_gib": round(backend.cache_bytes() / gib, 2)}
+    try:
+        trainer.update(groups)
+    except Exception as exc:  # noqa: BLE001 - the stages' rows are kept; the row says why it has no update
+        row["update_error"] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+        print(f"# loop-step memory: the update failed ({row['update_error']})", file=sys.stderr, flush=True)
     if cuda:
         torch.cuda.synchronize()
         row.update(generate_peak_gib=round(generate_peak / gib, 2),
