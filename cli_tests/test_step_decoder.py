@@ -5,6 +5,8 @@ model shared by the module)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from conftest import assert_same_greedy
@@ -247,7 +249,7 @@ def test_compiled_step_decoder_is_one_graph_and_sees_in_place_weight_changes(bac
 
     eager, _ = backends
     fast = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, decoder="step")
-    fast._step_decoder = StepDecoder(eager.model, compile=True,
+    fast._step_decoder = StepDecoder(eager.model, compile=True, compile_prefill=False,
                                      compile_options=dict(backend="aot_eager", dynamic=False))
     params = SamplingParams(temperature=0, max_new_tokens=12)
     graphs = counters["stats"]["unique_graphs"]
@@ -309,7 +311,7 @@ def test_a_step_that_cannot_be_captured_falls_back_to_torch_compiles_graphs_with
     backend = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, decoder="step",
                                    step_graph="capture", log=notes.append)
     backend._step_decoder = StepDecoder(eager.model, compile=True, graph="capture", captured_step=Uncapturable,
-                                        compile_options=dict(backend="aot_eager", dynamic=False))
+                                        compile_prefill=False, compile_options=dict(backend="aot_eager", dynamic=False))
     params = SamplingParams(temperature=0, max_new_tokens=6)
     got = tokens_of(backend.generate(PROMPTS, 1, params))
     check_same_greedy(eager, tokens_of(eager.generate(PROMPTS, 1, params)), got)
@@ -360,7 +362,7 @@ def test_a_bf16_split_sampler_step_decodes_as_generate_and_compiles_to_one_graph
         (rows, length), = step._caches  # the room check's estimate: bf16 here, generate's static cache float32
         assert step.new_cache_bytes(rows, length) == step.cache_bytes()
         assert static.new_cache_bytes(*next(iter(static._caches))) == static.cache_bytes() > step.cache_bytes()
-        step._step_decoder = StepDecoder(eager.model, compile=True,
+        step._step_decoder = StepDecoder(eager.model, compile=True, compile_prefill=False,
                                          compile_options=dict(backend="aot_eager", dynamic=False))
         graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
         assert tokens_of(step.generate(PROMPTS, 1, params)) == want
@@ -416,9 +418,9 @@ def test_a_captured_step_keeps_its_buffers_per_cache_and_is_made_again_when_a_we
     options = dict(backend="aot_eager", dynamic=False)
     captured = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, decoder="step")
     captured._step_decoder = StepDecoder(eager.model, compile=True, compile_options=options, graph="capture",
-                                         captured_step=Recorded)
+                                         captured_step=Recorded, compile_prefill=False)
     plain = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, decoder="step")
-    plain._step_decoder = StepDecoder(eager.model, compile=True, compile_options=options)
+    plain._step_decoder = StepDecoder(eager.model, compile=True, compile_options=options, compile_prefill=False)
     greedy = SamplingParams(temperature=0, max_new_tokens=12)
     first = tokens_of(captured.generate(PROMPTS, 2, greedy))
     check_same_greedy(eager, tokens_of(eager.generate(PROMPTS, 2, greedy)), first)
@@ -616,7 +618,8 @@ def small_model(family: str, tokenizer):
 def test_other_model_families_step_decode_as_generate_in_one_graph_or_fall_back(backends, family):
     """Issue 33: the step decoder works for every model family the hf backend loads, or says in
     one line that it can't. Each family's greedy tokens equal eager generate's, with the model's
-    attention and with grouped. The compiled step (``aot_eager``) is one graph. Gemma-2's sliding
+    attention and with grouped. The compiled step (``aot_eager``) is one graph, the compiled prefill
+    another. Gemma-2's sliding
     window layers fall back to generate, with its note."""
     from torch._dynamo.utils import counters
 
@@ -643,8 +646,109 @@ def test_other_model_families_step_decode_as_generate_in_one_graph_or_fall_back(
                 "note: the step decoder can't run this model (cache layers of type StaticSlidingWindowLayer (only "
                 "full attention is step-decoded)); decoding with transformers' generate (model.decoder=generate)"]
         else:
-            assert fast.decoder == "step" and fast._step_proven
-            assert counters["stats"]["unique_graphs"] - graphs == 1  # the whole step, no break
+            assert fast.decoder == "step" and fast._step_proven and fast._step_decoder._prefill_proven
+            assert counters["stats"]["unique_graphs"] - graphs == 2  # the whole step and the prefill, no break
+
+
+@pytest.mark.slow
+def test_the_compiled_prefill_is_one_graph_for_any_batch_of_prompts_and_falls_back_with_one_line(backends):
+    """The step decoder's prefill compiled with dynamic shapes (``aot_eager`` here): a batch of other
+    rows and length reuses its one graph, and the logits, positions and cached keys and values
+    equal the eager prefill's. A compiled prefill whose first call fails is said in one line, then
+    runs eagerly (not the whole decoder falling back)."""
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers import StaticCache
+
+    from sptool.models.step_decoder import StepDecoder
+
+    tokenizer = backends[0].tokenizer
+    model = small_model("qwen3", tokenizer)
+    options = dict(backend="aot_eager")
+    notes: list[str] = []
+    eager = StepDecoder(model)
+    fast = StepDecoder(model, compile=True, compile_options=options, log=notes.append)
+
+    def prefilled(decoder, texts, row_map):
+        encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        assert encoded["attention_mask"][:, 0].min() == 0  # left padded: the positions matter
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        with torch.inference_mode():
+            logits, positions = decoder.prefill(cache, encoded["input_ids"], encoded["attention_mask"],
+                                                torch.tensor(row_map))
+        return logits, positions, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+    def assert_same(got, want):
+        torch.testing.assert_close(got[0], want[0])
+        assert torch.equal(got[1], want[1])
+        for (keys, values), (want_keys, want_values) in zip(got[2], want[2]):
+            torch.testing.assert_close(keys, want_keys)
+            torch.testing.assert_close(values, want_values)
+
+    batches = (([PROMPTS[0], "Name a colour, any colour you like, and say why.", "Hi"], [0, 0, 1, 2]),
+               (["Say, in a few plain words, what colour the sea is on a clear day.", PROMPTS[0]], [1, 0, 0]))
+    graphs = [counters["stats"]["unique_graphs"]]
+    for texts, row_map in batches:
+        assert_same(prefilled(fast, texts, row_map), prefilled(eager, texts, row_map))
+        graphs.append(counters["stats"]["unique_graphs"])
+    # one graph at most (dynamo may reuse one an earlier test made for a model of this structure);
+    # the second batch, of other rows and length, made none
+    assert graphs[1] - graphs[0] <= 1 and graphs[2] == graphs[1]
+    assert fast._prefill_proven and notes == []
+
+    broken = StepDecoder(model, compile=True, compile_options=options, log=notes.append)
+
+    def fails(*args):
+        raise RuntimeError("dynamo could not trace this\nmore detail")
+
+    broken._prefill_forward = fails
+    for texts, row_map in batches:
+        assert_same(prefilled(broken, texts, row_map), prefilled(eager, texts, row_map))
+    assert notes == ["note: the step decoder's compiled prefill failed on its first call (RuntimeError: dynamo "
+                     "could not trace this); prefilling eagerly"]
+
+
+@pytest.mark.slow
+def test_a_bf16_split_sampler_decodes_with_packed_parts_as_with_two_gemms_in_one_graph(backends, monkeypatch):
+    """A bf16-split sampler (a trainer's split-rounded model under bf16 autocast): the step decoder's
+    call packs each layer's ``[hi | lo]`` once (``packed_split_weights``) and its greedy tokens and
+    log-probabilities are those of the unpacked split layers' two GEMMs; compiled (``aot_eager``),
+    the step and the prefill trace with no graph break."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from sptool.models import hf
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+    from sptool.models.step_decoder import StepDecoder
+    from sptool.train.rounding import use_weight_rounding
+
+    tokenizer = backends[0].tokenizer
+    model = small_model("qwen3", tokenizer)
+    assert use_weight_rounding(model, "split") > 0
+    params = SamplingParams(temperature=0, max_new_tokens=8, logprobs=True)
+
+    def decoded(compile_step: bool):
+        backend = HFBackend.from_model(model, tokenizer, model_id="small", batch_size=8, decoder="step",
+                                       autocast=torch.bfloat16)
+        if compile_step:
+            backend._step_decoder = StepDecoder(model, compile=True, compile_options=dict(backend="aot_eager"))
+        return backend.generate(PROMPTS, 2, params)
+
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    packed = decoded(compile_step=True)
+    assert counters["stats"]["unique_graphs"] - graphs <= 2 and sum(counters["graph_break"].values()) == breaks
+    layers = [module for module in model.modules() if hasattr(module, "split_packed")]
+    assert layers and not any(layer.split_packed_on for layer in layers)
+    monkeypatch.setattr(hf, "packed_split_weights", lambda model, dtype: contextlib.nullcontext())
+    for layer in layers:
+        del layer.split_packed, layer.split_packed_on
+    two_gemms = decoded(compile_step=False)
+    assert not any(hasattr(module, "split_packed") for module in model.modules())
+    assert tokens_of(packed) == tokens_of(two_gemms)
+    for rows_packed, rows_two in zip(packed, two_gemms):
+        for a, b in zip(rows_packed, rows_two):
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 0.05
 
 
 @pytest.mark.slow

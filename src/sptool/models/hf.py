@@ -32,7 +32,7 @@ from typing import Any
 
 from sptool.models.base import Prompt, Sample, SamplingParams, cut_at_stop, split_response_prefix, token_listener
 from sptool.models.hf_decoding import (FinishedRows, LogprobRecorder, TokenProgress, bucket_length, bucket_rows,
-                                       regional_compile_off)
+                                       packed_split_weights, regional_compile_off)
 from sptool.models.resolve import resolve_model
 from sptool.models.step_decoder import STEP_GRAPHS
 from sptool.models.tokenizer import load_tokenizer, render_prompt
@@ -484,13 +484,15 @@ class HFBackend:
                 if why is not None:
                     self._give_up_step(why)
                     return self._generate(prompts, n, params)
-                self._step_decoder = StepDecoder(self.model, compile=self.compile, graph=self.step_graph)
+                self._step_decoder = StepDecoder(self.model, compile=self.compile, graph=self.step_graph,
+                                                 log=self.log)
             if self.compile and (rows, length) not in self.shapes_seen and self.log is not None:
                 self.log(f"hf: new decoding shape {rows} rows x {length} positions: compiling or "
                          f"recording the step decoder's CUDA graph (the first compile takes a while)")
             self.shapes_seen.add((rows, length))
             torch.manual_seed(params.seed * 1_000_003 + batch_index)
-            with torch.inference_mode(), regional_compile_off(self.model), self._autocast():
+            with torch.inference_mode(), regional_compile_off(self.model), self._autocast(), \
+                    packed_split_weights(self.model, self.autocast):
                 try:
                     decoded = self._step_decoder.decode(
                         cache, encoded["input_ids"], encoded["attention_mask"],

@@ -1,8 +1,9 @@
 """The ``hf`` backend's decoding helpers, handed to transformers' ``generate``: the static path's
 shape buckets (rows padded to a power of two, cache lengths to a multiple of 64), the stopping
 criteria that report progress and finish padding rows, the logits processor that gathers
-sampling log-probabilities one step at a time, and the switch that runs a trainer's regionally
-compiled layers plainly while generating."""
+sampling log-probabilities one step at a time, the switch that runs a trainer's regionally
+compiled layers plainly while generating, and the packed parts of split-rounded linears for a
+sampler's call."""
 
 from __future__ import annotations
 
@@ -110,4 +111,53 @@ class regional_compile_off:
         for module, compiled in self.saved:
             module._compiled_call_impl = compiled
         self.saved = []
+        return False
+
+
+class packed_split_weights:
+    """While entered (a sampler's call, no gradient): every linear of ``model`` routed with the
+    ``split`` rounding (:mod:`sptool.train.rounding`: a ``weight_rounding`` attribute of ``"split"``)
+    multiplies by its two parts packed side by side, ``[hi | lo]``, made once on entry from the
+    current float32 weights, in one GEMM (``sptool.train.rounding.packed_linear``), instead of
+    splitting its weight and running two GEMMs at every forward. The same sum; for a decoder that
+    runs a step per token at 512 rows, bound by its kernel count, half the GEMMs and no split per
+    step. Each layer keeps its packed tensor (``split_packed``: twice the weight's elements in the
+    low precision) and refreshes it in place on every entry, so a captured CUDA graph reads the
+    weights of the latest update."""
+
+    def __init__(self, model, dtype):
+        self.model, self.dtype, self.layers = model, dtype, []
+
+    def __enter__(self):
+        import torch
+
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            return self
+        with torch.no_grad():
+            for module in self.model.modules():
+                if getattr(module, "weight_rounding", None) != "split" or "forward" not in vars(module):
+                    continue
+                weight = module.weight.detach()
+                if weight.dtype != torch.float32:
+                    continue
+                out_features, in_features = weight.shape
+                packed = getattr(module, "split_packed", None)
+                if packed is None or packed.shape != (out_features, 2 * in_features) or packed.dtype != self.dtype \
+                        or packed.device != weight.device:
+                    with torch.inference_mode(False):  # a normal tensor: refreshed in or out of inference mode
+                        packed = module.split_packed = weight.new_empty((out_features, 2 * in_features),
+                                                                        dtype=self.dtype)
+                    # the same tensor every call: torch.compile's CUDA graphs read it in place, no copy
+                    torch._dynamo.mark_static_address(packed)
+                hi = weight.to(self.dtype)
+                packed[:, :in_features].copy_(hi)
+                packed[:, in_features:].copy_(weight - hi.float())
+                module.split_packed_on = True
+                self.layers.append(module)
+        return self
+
+    def __exit__(self, *exc):
+        for module in self.layers:
+            module.split_packed_on = False
+        self.layers = []
         return False

@@ -182,7 +182,28 @@ def rounded_linear(x, weight, bias, rounding: str):
     return F.linear(x, weight + step, bias)  # straight through: the gradient is the weight's own
 
 
+def packed_linear(x, packed, bias, dtype):
+    """``y = [x, x]·packedᵀ (+ b)`` with ``packed = [hi | lo]`` (out x 2·in, ``dtype``): the split
+    rounding's ``x·hiᵀ + x·loᵀ`` as one GEMM of twice the depth, accumulated in float32 and rounded
+    once to ``dtype``. No gradient (a sampler's forward)."""
+    import torch
+
+    with torch.autocast(x.device.type, enabled=False):
+        shape = x.shape
+        xb = x.reshape(-1, shape[-1]).to(dtype)
+        y = mm_fp32(torch.cat([xb, xb], dim=1), packed.t())
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(dtype).reshape(*shape[:-1], y.shape[-1])
+
+
 def _rounded_forward(self, x):
+    # a sampler's call under sptool.models.hf_decoding.packed_split_weights: [hi | lo] in one GEMM
+    if getattr(self, "split_packed_on", False) and self.weight_rounding == "split":
+        import torch
+
+        if not torch.is_grad_enabled() and autocast_dtype(self.weight) == self.split_packed.dtype:
+            return packed_linear(x, self.split_packed, self.bias, self.split_packed.dtype)
     return rounded_linear(x, self.weight, self.bias, self.weight_rounding)
 
 
