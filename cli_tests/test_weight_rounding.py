@@ -226,30 +226,39 @@ def test_weight_rounding_is_checked_before_any_work():
         TrainConfig(weight_rounding="stochastic", mixed_precision="fp16")
 
 
-def test_a_samplers_packed_split_parts_give_the_split_sum_in_one_gemm_and_follow_each_update():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_samplers_packed_split_parts_give_the_split_sum_in_one_gemm_and_follow_each_update(device):
     """``packed_split_weights`` (the step decoder's sampler call): a split-rounded layer multiplies
     ``[x, x]`` by ``[hi | lo]`` made on entry, the same once-rounded sum as two GEMMs; an in-place
     update below half a bf16 step shows at the next entry (its packed tensor refreshed in place,
-    the same tensor); outside the context, or with a gradient, the layer is the split linear."""
+    the same tensor); outside the context, or with a gradient, the layer is the split linear. On
+    CUDA the GEMMs are ``torch.mm(out_dtype=float32)``."""
     from sptool.models.hf_decoding import packed_split_weights
     from sptool.train import rounding
 
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     generator = torch.Generator().manual_seed(3)
     layer = torch.nn.Linear(64, 32, bias=True)
     with torch.no_grad():
         layer.weight.copy_(on_grid((32, 64), generator))
         layer.bias.copy_(torch.randn(32, generator=generator))
+    layer = layer.to(device)
     assert use_weight_rounding(layer, "split") == 1
     model = torch.nn.Sequential(layer)
-    x = torch.randn(4, 128, 64, generator=generator)
+    x = torch.randn(4, 128, 64, generator=generator).to(device)
+
+    def autocast(fn):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return fn()
 
     def split_sum():  # two GEMMs, float32 sum, one rounding: the split linear itself
         with torch.inference_mode():
-            return bf16(lambda: rounded_linear(x, layer.weight, layer.bias, "split"))
+            return autocast(lambda: rounded_linear(x, layer.weight, layer.bias, "split"))
 
     def packed():
         with torch.inference_mode(), packed_split_weights(model, torch.bfloat16):
-            return bf16(lambda: layer(x))
+            return autocast(lambda: layer(x))
 
     gemms = []
     original = rounding.mm_fp32
@@ -262,7 +271,7 @@ def test_a_samplers_packed_split_parts_give_the_split_sum_in_one_gemm_and_follow
         assert float((before == split_sum()).float().mean()) > 0.99  # summation order aside, the same numbers
         kept = layer.split_packed
         with torch.no_grad():
-            layer.weight.add_(1e-5 * torch.sign(torch.randn(32, 64, generator=generator)))  # an optimizer step
+            layer.weight.add_(1e-5 * torch.sign(torch.randn(32, 64, generator=generator)).to(device))  # an optimizer step
         after = packed()
         assert layer.split_packed is kept and not layer.split_packed_on
         assert not torch.equal(after, before), "the update did not reach the sampler"
@@ -272,7 +281,7 @@ def test_a_samplers_packed_split_parts_give_the_split_sum_in_one_gemm_and_follow
         assert len(gemms) == 2  # outside the context: the split linear's two GEMMs
         gemms.clear()
         with packed_split_weights(model, torch.bfloat16):  # a gradient: not the sampler's path
-            bf16(lambda: layer(x)).float().sum().backward()
+            autocast(lambda: layer(x)).float().sum().backward()
         assert len(gemms) == 3 and layer.weight.grad is not None  # forward: hi and lo; backward: ∂L/∂w
     finally:
         rounding.mm_fp32 = original
