@@ -518,7 +518,9 @@ def loop_step_memory(trainer, backend, args, cuda: bool) -> dict:
     try:
         trainer.update(groups)
     except Exception as exc:  # noqa: BLE001 - the stages' rows are kept; the row says why it has no update
-        row["update_error"] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+        from sptool.core.records import first_line
+
+        row["update_error"] = f"{type(exc).__name__}: {first_line(exc)}"
         print(f"# loop-step memory: the update failed ({row['update_error']})", file=sys.stderr, flush=True)
     if cuda:
         torch.cuda.synchronize()

@@ -73,6 +73,11 @@ class RuntimeFailure(SptoolError):
     exit_code = 1
 
 
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message, at most ``limit`` characters (a fallback's note)."""
+    return (str(exc).strip().splitlines() or [""])[0][:limit]
+
+
 def describe(value: Any) -> str:
     """Short description of a JSON value for error messages."""
     if value is None:

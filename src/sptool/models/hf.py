@@ -36,7 +36,7 @@ from sptool.models.hf_decoding import (FinishedRows, LogprobRecorder, TokenProgr
 from sptool.models.resolve import resolve_model
 from sptool.models.step_decoder import STEP_GRAPHS
 from sptool.models.tokenizer import load_tokenizer, render_prompt
-from sptool.core.records import RuntimeFailure, UsageError
+from sptool.core.records import RuntimeFailure, UsageError, first_line
 
 MAX_CACHES = 4          # static caches kept between calls (least recently used dropped first)
 CACHE_HEADROOM = 1.25   # a new static cache is made when the device can hold this many times its bytes
@@ -203,9 +203,8 @@ class HFBackend:
 
     def _give_up_compile(self, exc: Exception) -> None:
         """The first compiled call failed: say why once and decode eagerly from now on."""
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
         if self.log is not None:
-            self.log(f"note: compiled decoding failed on its first call ({type(exc).__name__}: {first}); "
+            self.log(f"note: compiled decoding failed on its first call ({type(exc).__name__}: {first_line(exc)}); "
                      f"decoding eagerly (model.compile_generation=false)")
         self.compile = self.static_cache = False
         self._caches.clear()
@@ -503,7 +502,7 @@ class HFBackend:
                 except Exception as exc:  # noqa: BLE001 - only a first step-decoded call falls back
                     if self._step_proven or isinstance(exc, torch.cuda.OutOfMemoryError):
                         raise
-                    first = (str(exc).strip().splitlines() or [""])[0][:200]
+                    first = first_line(exc)
                     if self._step_decoder.graph == "capture":
                         self._give_up_capture(f"{type(exc).__name__}: {first}")
                         return self._generate_step(prompts, n, params)

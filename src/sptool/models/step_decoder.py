@@ -46,6 +46,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from sptool.core.records import first_line
+
 CHECK_EVERY = 16        # decoding steps between the host's checks (finished rows, stops, deadline)
 #: how the compiled step becomes a CUDA graph: torch.compile's own (reduce-overhead), or captured by
 #: sptool per cache and sampling variant (:class:`CudaGraphStep`)
@@ -317,10 +319,9 @@ class StepDecoder:
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - only a first compiled prefill falls back
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
             if self.log is not None:
                 self.log(f"note: the step decoder's compiled prefill failed on its first call "
-                         f"({type(exc).__name__}: {first}); prefilling eagerly")
+                         f"({type(exc).__name__}: {first_line(exc)}); prefilling eagerly")
             self._prefill_forward = self._prompt_forward
             return self._prompt_forward(input_ids, attention_mask, positions)
         self._prefill_proven = True
