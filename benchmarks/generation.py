@@ -115,7 +115,7 @@ def bare_hf(backend, prompts, params, same_options: bool = True) -> tuple[float,
     import torch
 
     params = stage_params(params)
-    model, tokenizer = backend.model, backend.tokenizer
+    model, tokenizer = model if model is not None else backend.model, backend.tokenizer
     eos = backend._eos_ids()
     start = time.perf_counter()
     texts = [backend.render(prompt) for prompt in prompts]
@@ -257,9 +257,10 @@ def sync(backend) -> None:
         torch.cuda.synchronize()
 
 
-def bare_replay(backend, calls) -> tuple[float, int, int]:
+def bare_replay(backend, calls, model=None) -> tuple[float, int, int]:
     """The recorded calls through bare eager ``model.generate`` (dynamic cache, no compile), in
-    the backend's batches: (seconds, decoding steps, generated tokens).
+    the backend's batches: (seconds, decoding steps, generated tokens). ``model``: another model
+    over the same tokenizer (:func:`bare_copy`), else the backend's.
 
     The model is the trainer's, whose decoder layers are regionally compiled on CUDA: they run
     their plain forward here (``regional_compile_off``), as in the sptool arm. Until 2026-12-06 they
@@ -270,7 +271,7 @@ def bare_replay(backend, calls) -> tuple[float, int, int]:
 
     from sptool.models.hf_decoding import regional_compile_off
 
-    model, tokenizer = backend.model, backend.tokenizer
+    model, tokenizer = model if model is not None else backend.model, backend.tokenizer
     eos = backend._eos_ids()
     seconds = steps = tokens = 0
     for call in calls:
@@ -299,6 +300,44 @@ def bare_replay(backend, calls) -> tuple[float, int, int]:
             sync(backend)
             seconds += time.perf_counter() - began
     return seconds, steps, tokens
+
+
+def bare_copy(model, dtype):
+    """A copy of ``model`` with its weights in ``dtype``, for bare ``generate``: what a user of
+    transformers samples with after loading the checkpoint with ``dtype=torch.bfloat16``. The
+    bf16-split sampler's fair baseline: bare ``generate`` on the float32 trainer's model is slower
+    for its float32 weights and cache alone, not for anything the step decoder does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = next(model.parameters()).device
+    with torch.device(device):
+        copy = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    copy.load_state_dict(model.state_dict())
+    copy.generation_config = model.generation_config
+    return copy.eval()
+
+
+def room_for_bare(backend, dtype, log=None) -> float:
+    """Make room for bare ``generate``'s dynamic cache: when the device cannot hold one as large
+    as sptool's largest kept cache (same rows and positions) in ``dtype`` beside the kept caches,
+    drop them (the next stage's untimed warm-up makes its own again). Returns the GiB dropped.
+    At the 0.6B shape, 512 rows x 448 positions, bare float32 ``generate`` needs 49 GiB beside
+    sptool's 35 GiB of bf16 caches: out of memory on an 80 GB card (2026-12-06)."""
+    if not backend._caches or not str(backend.device).startswith("cuda"):
+        return 0.0
+    need = max(backend.new_cache_bytes(rows, length, dtype) for rows, length in backend._caches)
+    if backend._room_for(need):
+        return 0.0
+    held = backend.cache_bytes() / 1024 ** 3
+    backend.release_caches()
+    import torch
+
+    torch.cuda.empty_cache()
+    if log is not None:
+        log(f"dropped sptool's kept KV caches ({held:.2f} GiB) to give bare generate's "
+            f"{need / 1024 ** 3:.2f} GiB cache room")
+    return held
 
 
 def stage_workloads(batch: int, max_tokens: int):
@@ -395,6 +434,8 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
                                    log=lambda m: print("#", m, file=sys.stderr),
                                    autocast=torch.bfloat16 if args.sampler == "bf16-split" else None)
     weight_bytes = sum(p.numel() * p.element_size() for p in live.parameters())
+    # the bf16-split sampler is also held against bare generate on a bf16 copy (same precision)
+    bf16_model = bare_copy(live, torch.bfloat16) if args.sampler == "bf16-split" else None
     rows = []
     only = {name.strip() for name in (args.only or "").split(",") if name.strip()}
     for stage_name, recipe, build in stage_workloads(args.batch[0], args.max_tokens):
@@ -415,9 +456,16 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
             continue
         seconds = sum(c["seconds"] for c in calls)
         steps, tokens = sum(c["steps"] for c in calls), sum(c["tokens"] for c in calls)
+        kv = backend.cache_bytes() / max(1, len(backend._caches)) if backend._caches else 0
+        room_for_bare(backend, live.dtype, log=lambda m: print(f"# {stage_name}: {m}", file=sys.stderr))
         bare_replay(backend, calls[:1])  # warm-up of the bare arm (allocator, kernels)
         bare_s, bare_steps, bare_tokens = bare_replay(backend, calls)
-        kv = backend.cache_bytes() / max(1, len(backend._caches)) if backend._caches else 0
+        same_precision = {}
+        if bf16_model is not None:
+            bare_replay(backend, calls[:1], bf16_model)
+            bf16_s, bf16_steps, _ = bare_replay(backend, calls, bf16_model)
+            same_precision = dict(bare_bf16_steps_s=round(bf16_steps / bf16_s, 1),
+                                  x_bare_bf16=round((steps / seconds) / (bf16_steps / bf16_s), 2))
         row = dict(stage=stage_name, recipe=recipe, shape=args.shape, decoder=decoder, attention=attention,
                    graph=graph, sampler=args.sampler, decoding=backend.decoding,
                    calls=len(calls), rows=max(len(c["prompts"]) * c["n"] for c in calls),
@@ -426,21 +474,22 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
                    bare_steps_s=round(bare_steps / bare_s, 1), bare_tok_s=round(bare_tokens / bare_s, 1),
                    x_bare=round((steps / seconds) / (bare_steps / bare_s), 2),
                    floor_steps_s=round(args.hbm / weight_bytes), kv_floor_steps_s=round(args.hbm / (weight_bytes + kv)),
-                   **phases.split(seconds, len(calls)))
+                   **same_precision, **phases.split(seconds, len(calls)))
         rows.append(row)
         where = (f" (a call: prefill {row['prefill_ms']} ms, token loop {row['loop_ms']} ms, host {row['host_ms']} ms)"
                  if "loop_ms" in row else "")
+        bf16 = (f"; vs bare on a bf16 copy {row['bare_bf16_steps_s']} steps/s: x{row['x_bare_bf16']}"
+                if "x_bare_bf16" in row else "")
         print(f"# {stage_name} ({decoder}, {attention}, {graph}): {row['steps_s']} steps/s ({row['tok_s']} tok/s) vs bare {row['bare_steps_s']} "
-              f"steps/s: x{row['x_bare']}{where}", file=sys.stderr, flush=True)
+              f"steps/s: x{row['x_bare']}{bf16}{where}", file=sys.stderr, flush=True)
         if args.profile:
             tag = f"{decoder}-{attention}" + ("-capture" if graph == "capture" else "")
             row.update(profile_stage(build, backend, stage_name, tag, Path(args.profile), cuda))
     rows.append(dict(loop_step_memory(trainer, backend, args, cuda), decoder=decoder, attention=attention,
                      graph=graph, sampler=args.sampler))
     backend.close()
+    del bf16_model
     if cuda:
-        import torch
-
         torch.cuda.empty_cache()
     return rows
 
@@ -532,7 +581,7 @@ def loop_step_memory(trainer, backend, args, cuda: bool) -> dict:
 
 
 STAGE_HEADER = ["stage", "recipe", "shape", "decoder", "attention", "graph", "sampler", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",
-                "tok_s", "bare_steps_s", "bare_tok_s", "x_bare", "floor_steps_s", "kv_floor_steps_s",
+                "tok_s", "bare_steps_s", "bare_tok_s", "x_bare", "bare_bf16_steps_s", "x_bare_bf16", "floor_steps_s", "kv_floor_steps_s",
                 "prefill_ms", "loop_ms", "host_ms"]
 
 
@@ -550,13 +599,19 @@ def target_lines(rows: list[dict]) -> list[str]:
             arms.setdefault(key, []).append(row)
     lines = []
     for (shape, *arm), stages in arms.items():
-        slowest = min(stages, key=lambda row: row["x_bare"])
         target = TARGET_X_BARE.get(shape)
-        verdict = "" if target is None else (f"; every stage >= {target:g}x: "
-                                             + ("yes" if slowest["x_bare"] >= target else "no"))
+
+        def against(key: str) -> str:
+            slowest = min(stages, key=lambda row: row[key])
+            verdict = "" if target is None else (f"; every stage >= {target:g}x: "
+                                                 + ("yes" if slowest[key] >= target else "no"))
+            return f"{slowest['stage']} at {slowest[key]}x{verdict}"
+
         counted = f"{len(stages)} stages" if len(stages) > 1 else "1 stage"
-        lines.append(f"{shape} {'/'.join(arm)}: slowest of {counted}: {slowest['stage']} at "
-                     f"{slowest['x_bare']}x bare{verdict}")
+        line = f"{shape} {'/'.join(arm)}: slowest of {counted} against bare generate: {against('x_bare')}"
+        if all("x_bare_bf16" in row for row in stages):
+            line += f"; against bare generate on a bf16 copy: {against('x_bare_bf16')}"
+        lines.append(line)
     return lines
 
 
@@ -641,7 +696,8 @@ def main() -> None:
     parser.add_argument("--sampler", default="fp32", choices=["fp32", "bf16-split"],
                         help="--stages: the sptool arm's sampling precision: fp32 (the trainer's float32 policy, "
                         "the default) or bf16-split (bf16 autocast with train.weight_rounding = split, which sees "
-                        "every update); the bare arm is always the float32 model's generate")
+                        "every update); the bare arm is the float32 model's generate, and with bf16-split also "
+                        "generate on a bf16 copy of the model (x_bare_bf16: the same precision)")
     parser.add_argument("--hbm", type=float, default=4.3e12, help="--stages: HBM bytes/s of the floor")
     parser.add_argument("--profile", default=None, metavar="DIR", help="--stages: each stage once more under "
                         "torch.profiler; ms per decoding step (wall and device) and the top ops in DIR/STAGE-DECODER.txt")

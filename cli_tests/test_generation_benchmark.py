@@ -41,9 +41,17 @@ def test_the_target_line_names_each_arms_slowest_stage_against_its_shapes_target
             row("eval (greedy)", 5.0, graph="compile"), row("solve", 3.2, shape="0.6b"),
             {"stage": "loop-step memory", "shape": "tiny"}]
     assert generation.target_lines(rows) == [
-        "tiny step/grouped/capture/bf16-split: slowest of 2 stages: eval (greedy) at 4.92x bare; every stage >= 5x: no",
-        "tiny step/grouped/compile/bf16-split: slowest of 2 stages: eval (greedy) at 5.0x bare; every stage >= 5x: yes",
-        "0.6b step/grouped/capture/bf16-split: slowest of 1 stage: solve at 3.2x bare; every stage >= 3x: yes"]
+        "tiny step/grouped/capture/bf16-split: slowest of 2 stages against bare generate: eval (greedy) at 4.92x; "
+        "every stage >= 5x: no",
+        "tiny step/grouped/compile/bf16-split: slowest of 2 stages against bare generate: eval (greedy) at 5.0x; "
+        "every stage >= 5x: yes",
+        "0.6b step/grouped/capture/bf16-split: slowest of 1 stage against bare generate: solve at 3.2x; "
+        "every stage >= 3x: yes"]
+    # a bf16-split arm is also held against bare generate on a bf16 copy: its own slowest stage and verdict
+    rows = [dict(row("solve", 9.0), x_bare_bf16=4.1), dict(row("eval (greedy)", 5.2), x_bare_bf16=5.5)]
+    assert generation.target_lines(rows) == [
+        "tiny step/grouped/capture/bf16-split: slowest of 2 stages against bare generate: eval (greedy) at 5.2x; "
+        "every stage >= 5x: yes; against bare generate on a bf16 copy: solve at 4.1x; every stage >= 5x: no"]
 
 
 def test_the_bare_arm_runs_the_trainers_compiled_layers_eagerly(tiny_model_dir):
@@ -105,3 +113,63 @@ def test_the_phase_clock_splits_a_step_decoded_call_into_prefill_token_loop_and_
         assert generation.PhaseClock(backend).split(1.0, calls=1) == {}  # no step-decoded call: no columns
     finally:
         backend.close()
+
+
+def test_the_bf16_baseline_is_a_bf16_copy_of_the_split_trainers_live_weights(tiny_model_dir):
+    """The bf16-split sampler's same-precision baseline: bare generate on a bf16 copy of the
+    trainer's live float32 weights (the split rounding's routing adds no weights of its own)."""
+    import torch
+
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    trainer = PolicyTrainer(TrainConfig(model=str(tiny_model_dir), device="cpu", mixed_precision="bf16",
+                                        weight_rounding="split"))
+    live = trainer.accelerator.unwrap_model(trainer.model)
+    copy = generation.bare_copy(live, torch.bfloat16)
+    weights = dict(copy.named_parameters())
+    assert {p.dtype for p in weights.values()} == {torch.bfloat16}
+    for name, parameter in live.named_parameters():
+        assert name in weights and torch.equal(weights[name], parameter.detach().to(torch.bfloat16)), name
+    assert {p.dtype for p in live.parameters()} == {torch.float32}  # the trainer's own are untouched
+    backend = HFBackend.from_model(live, trainer.tokenizer, model_id=str(tiny_model_dir), batch_size=2)
+    calls = [dict(prompts=["What is 2 + 3?", "Name a colour."], n=1,
+                  params=SamplingParams(temperature=0.0, max_new_tokens=3))]
+    seconds, steps, tokens = generation.bare_replay(backend, calls, copy)
+    assert steps == 3 and 2 <= tokens <= 6 and seconds > 0
+
+
+def test_bare_generate_gets_room_by_dropping_the_kept_caches_only_when_short():
+    dropped = []
+
+    class Backend:
+        device = "cuda:0"
+
+        def __init__(self, room):
+            self._caches = {(512, 448): object(), (512, 192): object()}
+            self.room, self.asked = room, []
+
+        def new_cache_bytes(self, rows, length, dtype=None):
+            return rows * length * (4 if dtype == "fp32" else 2)
+
+        def _room_for(self, need):
+            self.asked.append(need)
+            return self.room
+
+        def cache_bytes(self):
+            return 3 * 1024 ** 3
+
+        def release_caches(self):
+            self._caches.clear()
+
+    roomy = Backend(room=True)
+    assert generation.room_for_bare(roomy, "fp32", log=dropped.append) == 0.0
+    assert roomy.asked == [512 * 448 * 4] and len(roomy._caches) == 2 and not dropped  # sized by the largest
+    short = Backend(room=False)
+    assert generation.room_for_bare(short, "fp32", log=dropped.append) == 3.0
+    assert not short._caches and dropped == ["dropped sptool's kept KV caches (3.00 GiB) to give bare "
+                                             "generate's 0.00 GiB cache room"]
+    short.device = "cpu"  # a CPU keeps its caches
+    short._caches = {(4, 64): object()}
+    assert generation.room_for_bare(short, "fp32") == 0.0 and short._caches

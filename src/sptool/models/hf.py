@@ -280,18 +280,18 @@ class HFBackend:
         self._caches[key] = cache
         return cache, fresh
 
-    def new_cache_bytes(self, rows: int, length: int) -> int:
+    def new_cache_bytes(self, rows: int, length: int, dtype=None) -> int:
         """What a new static cache of ``rows`` x ``length`` will hold: keys and values of every
-        layer, in the dtype it will take: the step decoder's is autocast's (else the weights'),
-        ``generate``'s takes its first keys', the weights' dtype (under autocast the keys leave the
-        rotary embedding in float32)."""
+        layer, in ``dtype`` or the dtype it will take: the step decoder's is autocast's (else the
+        weights'), ``generate``'s takes its first keys', the weights' dtype (under autocast the keys
+        leave the rotary embedding in float32)."""
         config = self.model.config
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = getattr(config, "num_attention_heads", None) or 1
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads)
         layers = getattr(config, "num_hidden_layers", None) or 0
-        dtype = (self.autocast if self.decoder == "step" else None) or self.model.dtype
+        dtype = dtype or (self.autocast if self.decoder == "step" else None) or self.model.dtype
         return 2 * layers * rows * kv_heads * length * head_dim * dtype.itemsize
 
     def _room_for(self, need: int) -> bool:
