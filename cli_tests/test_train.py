@@ -666,3 +666,26 @@ def test_restored_moments_carry_the_last_update_into_a_faint_one(random_model_di
         cosine[restore] = float(torch.nn.functional.cosine_similarity(step, labelled_step, dim=0))
     assert cosine[True] > 0.9, cosine
     assert cosine[False] < 0.5, cosine
+
+
+def test_a_non_finite_gradient_norm_names_its_parameters_and_writes_no_update(random_model_dir):
+    """The error line says whether the loss was finite and which gradients were not (the first
+    GPU loop step at the 0.6B shape raised "non-finite gradient norm (nan)" with nothing more)."""
+    import torch
+
+    from sptool.core.records import RuntimeFailure
+
+    trainer = make_trainer(random_model_dir, device="cpu")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    name = "model.layers.0.mlp.down_proj.weight"
+    poisoned = dict(model.named_parameters())[name]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    handle = poisoned.register_hook(lambda grad: grad * float("nan"))
+    with pytest.raises(RuntimeFailure) as failure:
+        trainer.update(GROUPS)
+    message = str(failure.value)
+    assert "non-finite gradient norm (nan) at step 1" in message
+    assert f"the loss was finite; non-finite gradients in {name}" in message and "no update written" in message
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing applied
+    handle.remove()
+    assert math.isfinite(trainer.update(GROUPS)["loss"])  # and the next step trains

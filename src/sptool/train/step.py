@@ -334,6 +334,35 @@ class PolicyTrainer(PolicyModel):
         metrics["groups"] = len(groups)
         return metrics
 
+    def _clip_gradients(self, max_norm: float) -> float:
+        """Clip the gradients to ``max_norm`` in total and return their norm before clipping, as
+        ``accelerator.clip_grad_norm_`` does, but leaving them as they were when the norm is not
+        finite (its clip multiplies every gradient by NaN, which hides the ones that were). FSDP,
+        DeepSpeed and XLA keep accelerate's own clipping."""
+        torch = self.torch
+        distributed = str(self.accelerator.distributed_type)
+        if any(name in distributed for name in ("FSDP", "DEEPSPEED", "MEGATRON", "XLA")):
+            return float(self.accelerator.clip_grad_norm_(self.params, max_norm))
+        self.accelerator.unscale_gradients()
+        total = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        norm = float(total)
+        if math.isfinite(norm):
+            torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total)
+        return norm
+
+    def _non_finite_gradients(self, loss_sum: float, limit: int = 3) -> str:
+        """Where a non-finite gradient norm comes from, for its error line: whether this rank's
+        loss was finite, and the first trainable parameters whose gradient is not."""
+        torch = self.torch
+        names = {id(p): name for name, p in self.accelerator.unwrap_model(self.model).named_parameters()}
+        broken = [names.get(id(p), "?") for p in self.params
+                  if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        loss = "the loss was finite" if math.isfinite(loss_sum) else f"the loss was {loss_sum}"
+        if not broken:
+            return f"{loss}; every gradient is finite, their norm overflowed"
+        more = f" and {len(broken) - limit} more" if len(broken) > limit else ""
+        return f"{loss}; non-finite gradients in {', '.join(broken[:limit])}{more}"
+
     def update_sequences(self, sequences: Sequence[TrainSequence]) -> dict:
         """One optimizer update over already tokenized sequences (the global batch)."""
         torch = self.torch
@@ -382,12 +411,13 @@ class PolicyTrainer(PolicyModel):
                     maxima = torch.maximum(maxima, stats[len(SUMS):])
             n_micro = len(plan)
             if config.max_grad_norm and config.max_grad_norm > 0:
-                grad_norm = float(accelerator.clip_grad_norm_(self.params, config.max_grad_norm))
+                grad_norm = self._clip_gradients(config.max_grad_norm)
             else:
                 grad_norm = float(torch.norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None])))
             if not math.isfinite(grad_norm):
+                where = self._non_finite_gradients(float(totals[0]))
                 self.optimizer.zero_grad(set_to_none=True)
-                raise RuntimeFailure(f"non-finite gradient norm ({grad_norm}) at step {self.step + 1}; "
+                raise RuntimeFailure(f"non-finite gradient norm ({grad_norm}) at step {self.step + 1} ({where}); "
                                      "no update written (lower --learning-rate or check the rewards)")
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
