@@ -119,11 +119,13 @@ def test_the_bf16_baseline_is_a_bf16_copy_of_the_split_trainers_live_weights(tin
     """The bf16-split sampler's same-precision baseline: bare generate on a bf16 copy of the
     trainer's live float32 weights (the split rounding's routing adds no weights of its own)."""
     import torch
+    from accelerate.state import AcceleratorState
 
     from sptool.models.base import SamplingParams
     from sptool.models.hf import HFBackend
     from sptool.train.step import PolicyTrainer, TrainConfig
 
+    AcceleratorState._reset_state(True)  # one precision per process otherwise
     trainer = PolicyTrainer(TrainConfig(model=str(tiny_model_dir), device="cpu", mixed_precision="bf16",
                                         weight_rounding="split"))
     live = trainer.accelerator.unwrap_model(trainer.model)
@@ -136,8 +138,12 @@ def test_the_bf16_baseline_is_a_bf16_copy_of_the_split_trainers_live_weights(tin
     backend = HFBackend.from_model(live, trainer.tokenizer, model_id=str(tiny_model_dir), batch_size=2)
     calls = [dict(prompts=["What is 2 + 3?", "Name a colour."], n=1,
                   params=SamplingParams(temperature=0.0, max_new_tokens=3))]
-    seconds, steps, tokens = generation.bare_replay(backend, calls, copy)
-    assert steps == 3 and 2 <= tokens <= 6 and seconds > 0
+    try:
+        seconds, steps, tokens = generation.bare_replay(backend, calls, copy)
+        assert steps == 3 and 2 <= tokens <= 6 and seconds > 0
+    finally:
+        backend.close()
+        AcceleratorState._reset_state(True)
 
 
 def test_bare_generate_gets_room_by_dropping_the_kept_caches_only_when_short():

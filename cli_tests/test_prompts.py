@@ -186,3 +186,31 @@ def test_hf_prefix_and_stop_with_the_real_tiny_model(tiny_model_dir):
         assert free.stop_string is None or free.text.endswith(" 6")
     finally:
         backend.close()
+
+
+# ------------------------------------------------------------------------------ PromptEncoder
+
+def test_the_prompt_encoder_pads_a_large_batch_on_threads_exactly_as_the_tokenizer_does(tiny_model_dir):
+    """The hf backend's prompts go through PromptEncoder (chunks on threads, padded by hand): its
+    ids and mask are the tokenizer call's, whatever padding state the shared tokenizer was left in."""
+    import torch
+
+    from sptool.models.tokenizer import PARALLEL_ENCODE_MIN, PromptEncoder, load_tokenizer, render_prompt
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    texts = [render_prompt(tokenizer, [{"role": "user", "content": f"What is {i} + {7 * i}?" + " Think." * (i % 5)}])
+             for i in range(2 * PARALLEL_ENCODE_MIN + 3)]
+    texts[5], texts[9] = "", "Ünïcödé — ∑ 数学 \\boxed{x}"
+    reference = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    for threads in (4, 1):
+        encoder = PromptEncoder(tokenizer, threads=threads)
+        assert encoder.fast
+        for batch in (texts, texts[:3]):  # on threads, and one call below PARALLEL_ENCODE_MIN
+            input_ids, attention_mask = encoder(batch)
+            expected = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+            assert torch.equal(input_ids, expected["input_ids"]) and torch.equal(attention_mask, expected["attention_mask"])
+    assert int(attention_mask.sum()) < attention_mask.numel()  # rows of several lengths: left padding was tested
+    assert torch.equal(PromptEncoder(tokenizer)(texts)[0], reference["input_ids"])
+    # the encoder pads its own copy: the shared tokenizer's padding state is untouched
+    tokenizer(texts[:2], padding="max_length", max_length=300, add_special_tokens=False)
+    assert torch.equal(PromptEncoder(tokenizer)(texts)[1], reference["attention_mask"])

@@ -35,7 +35,7 @@ from sptool.models.hf_decoding import (FinishedRows, LogprobRecorder, TokenProgr
                                        packed_split_weights, regional_compile_off)
 from sptool.models.resolve import resolve_model
 from sptool.models.step_decoder import STEP_GRAPHS
-from sptool.models.tokenizer import load_tokenizer, render_prompt
+from sptool.models.tokenizer import PromptEncoder, load_tokenizer, render_prompt
 from sptool.core.records import RuntimeFailure, UsageError, first_line
 
 MAX_CACHES = 4          # static caches kept between calls (least recently used dropped first)
@@ -176,6 +176,7 @@ class HFBackend:
         self.chat_template = chat_template
         tokenizer.padding_side = "left"
         self.tokenizer = tokenizer
+        self._prompt_encoder = None  # made at the first call
         self.model = model
         self._torch = torch
         self.autocast = None  # a dtype: generate under torch.autocast in it
@@ -342,8 +343,7 @@ class HFBackend:
             batch_texts = [text for _, text in batch]
             rows = bucket_rows(len(batch), self.batch_size) if self.static_cache else len(batch)
             batch_texts += batch_texts[-1:] * (rows - len(batch))  # padding rows, finished at once
-            encoded = self.tokenizer(batch_texts, return_tensors="pt", padding=True,
-                                     add_special_tokens=False).to(self.device)
+            encoded = self._encode(batch_texts)
             prompt_length = encoded["input_ids"].shape[1]
             sampling = params.temperature > 0
             options: dict[str, Any] = dict(
@@ -471,8 +471,7 @@ class HFBackend:
             # rows bucketed when compiled (few CUDA graphs); the padding rows finish at once
             rows = bucket_rows(len(batch), self.batch_size) if self.compile else len(batch)
             distinct, row_map = row_map_of([text for _, text in batch], rows, self.share_prefill)
-            encoded = self.tokenizer(distinct, return_tensors="pt", padding=True,
-                                     add_special_tokens=False).to(self.device)
+            encoded = self._encode(distinct)
             prompt_length = encoded["input_ids"].shape[1]
             length = bucket_length(prompt_length + params.max_new_tokens)
             with torch.inference_mode():
@@ -517,6 +516,14 @@ class HFBackend:
                                                           is not None else None, prefixes[prompt_index],
                                                           params, eos_ids))
         return results
+
+    def _encode(self, texts: list[str]) -> dict:
+        """The rendered prompts' left-padded ``input_ids`` and ``attention_mask`` on the device
+        (:class:`~sptool.models.tokenizer.PromptEncoder`: a large batch on a few threads)."""
+        if self._prompt_encoder is None or self._prompt_encoder.tokenizer is not self.tokenizer:
+            self._prompt_encoder = PromptEncoder(self.tokenizer)
+        input_ids, attention_mask = self._prompt_encoder(texts)
+        return {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}
 
     def _autocast(self):
         import contextlib
