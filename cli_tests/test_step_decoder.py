@@ -174,6 +174,34 @@ def test_step_decoder_with_grouped_decode_attention_equals_generate(backends):
 
 
 @pytest.mark.slow
+def test_choose_samples_the_tempered_nucleus_distribution_of_generate():
+    """The sampled tokens' frequencies over many rows are transformers' distribution: softmax of
+    logits / T, cut to the top-p nucleus by TopPLogitsWarper and renormalised (the step decoder's
+    arms must learn as generate's; a sampler that drew from another distribution would not)."""
+    import torch
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    from sptool.models.step_decoder import choose
+
+    torch.manual_seed(1)
+    rows = 200_000
+    base = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -3.0, 0.9, 1.4])
+    logits = base.expand(rows, -1).contiguous()
+    finished = torch.zeros(rows, dtype=torch.bool)
+    lengths = torch.zeros(rows, dtype=torch.long)
+    eos = torch.tensor([5])
+    for temperature, top_p in ((0.7, 0.8), (1.0, 1.0), (1.3, 0.95)):
+        token, _, _, _ = choose(logits, finished, lengths, torch.tensor(temperature), torch.tensor(top_p), eos, 0,
+                                sample=True, nucleus=top_p < 1.0)
+        frequencies = torch.bincount(token, minlength=base.numel()).double() / rows
+        warped = TemperatureLogitsWarper(temperature)(None, base[None].clone())
+        if top_p < 1.0:
+            warped = TopPLogitsWarper(top_p)(None, warped)
+        expected = torch.softmax(warped[0], -1).double()
+        assert (frequencies[expected == 0] == 0).all(), (temperature, top_p)  # nothing outside the nucleus
+        assert torch.allclose(frequencies, expected, atol=0.004), (temperature, top_p, frequencies, expected)
+
+
 def test_step_decoder_sampling_logprobs_are_the_models_and_seeds_repeat(backends):
     """(b) sampled rows (temperature and top-p): each recorded log-probability is the raw
     logits' log-softmax at that token in a forward pass over prompt + completion; a seed
