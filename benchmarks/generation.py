@@ -115,7 +115,7 @@ def bare_hf(backend, prompts, params, same_options: bool = True) -> tuple[float,
     import torch
 
     params = stage_params(params)
-    model, tokenizer = model if model is not None else backend.model, backend.tokenizer
+    model, tokenizer = backend.model, backend.tokenizer
     eos = backend._eos_ids()
     start = time.perf_counter()
     texts = [backend.render(prompt) for prompt in prompts]

@@ -179,3 +179,18 @@ def test_bare_generate_gets_room_by_dropping_the_kept_caches_only_when_short():
     short.device = "cpu"  # a CPU keeps its caches
     short._caches = {(4, 64): object()}
     assert generation.room_for_bare(short, "fp32") == 0.0 and short._caches
+
+
+def test_the_plain_bare_arm_generates_each_prompt(tiny_model_dir):
+    """``generation.py`` without ``--stages``: bare ``generate`` over the backend's model (a stray
+    edit once made it read a model it was never given)."""
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+
+    backend = HFBackend("tiny", device="cpu", batch_size=2)
+    try:
+        seconds, tokens = generation.bare_hf(backend, ["What is 2 + 3?", "Name a colour."],
+                                             SamplingParams(temperature=0.0, max_new_tokens=3), same_options=False)
+        assert seconds > 0 and 2 <= tokens <= 6
+    finally:
+        backend.close()
