@@ -211,7 +211,7 @@ class PhaseClock:
     prefill, the token loop and the host's work around them (rendering, tokenising, decoding text)."""
 
     def __init__(self, backend):
-        self.backend, self.prefill_s, self.decode_s = backend, 0.0, 0.0
+        self.backend, self.prefill_s, self.decode_s, self.encode_s = backend, 0.0, 0.0, 0.0
 
     def _timed(self, function, total: str):
         clock = self
@@ -229,25 +229,31 @@ class PhaseClock:
     def __enter__(self):
         from sptool.models.step_decoder import StepDecoder
 
-        self.saved = StepDecoder.prefill, StepDecoder.decode
+        from sptool.models.hf import HFBackend
+
+        self.saved = StepDecoder.prefill, StepDecoder.decode, HFBackend._encode
         StepDecoder.prefill = self._timed(StepDecoder.prefill, "prefill_s")
         StepDecoder.decode = self._timed(StepDecoder.decode, "decode_s")
+        HFBackend._encode = self._timed(HFBackend._encode, "encode_s")
         return self
 
     def __exit__(self, *exc):
+        from sptool.models.hf import HFBackend
         from sptool.models.step_decoder import StepDecoder
 
-        StepDecoder.prefill, StepDecoder.decode = self.saved
+        StepDecoder.prefill, StepDecoder.decode, HFBackend._encode = self.saved
         return False
 
     def split(self, seconds: float, calls: int) -> dict:
-        """Milliseconds a call: prefill, token loop (decode less prefill), host (the rest)."""
+        """Milliseconds a call: prefill, token loop (decode less prefill), host (the rest), and of
+        the host's, encoding the prompts (``HFBackend._encode``: tokenising and the copy to the device)."""
         if not self.decode_s:
             return {}
         per_call = 1000 / max(1, calls)
         return dict(prefill_ms=round(self.prefill_s * per_call, 1),
                     loop_ms=round((self.decode_s - self.prefill_s) * per_call, 1),
-                    host_ms=round((seconds - self.decode_s) * per_call, 1))
+                    host_ms=round((seconds - self.decode_s) * per_call, 1),
+                    encode_ms=round(self.encode_s * per_call, 1))
 
 
 def sync(backend) -> None:
@@ -476,8 +482,8 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
                    floor_steps_s=round(args.hbm / weight_bytes), kv_floor_steps_s=round(args.hbm / (weight_bytes + kv)),
                    **same_precision, **phases.split(seconds, len(calls)))
         rows.append(row)
-        where = (f" (a call: prefill {row['prefill_ms']} ms, token loop {row['loop_ms']} ms, host {row['host_ms']} ms)"
-                 if "loop_ms" in row else "")
+        where = (f" (a call: prefill {row['prefill_ms']} ms, token loop {row['loop_ms']} ms, host {row['host_ms']} ms, "
+                 f"{row['encode_ms']} ms of it encoding prompts)" if "loop_ms" in row else "")
         bf16 = (f"; vs bare on a bf16 copy {row['bare_bf16_steps_s']} steps/s: x{row['x_bare_bf16']}"
                 if "x_bare_bf16" in row else "")
         print(f"# {stage_name} ({decoder}, {attention}, {graph}): {row['steps_s']} steps/s ({row['tok_s']} tok/s) vs bare {row['bare_steps_s']} "
@@ -582,7 +588,7 @@ def loop_step_memory(trainer, backend, args, cuda: bool) -> dict:
 
 STAGE_HEADER = ["stage", "recipe", "shape", "decoder", "attention", "graph", "sampler", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",
                 "tok_s", "bare_steps_s", "bare_tok_s", "x_bare", "bare_bf16_steps_s", "x_bare_bf16", "floor_steps_s", "kv_floor_steps_s",
-                "prefill_ms", "loop_ms", "host_ms"]
+                "prefill_ms", "loop_ms", "host_ms", "encode_ms"]
 
 
 #: issue 33's target: every generating stage at this many times bare ``generate``'s decode steps/s
