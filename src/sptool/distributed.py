@@ -62,7 +62,7 @@ class Distributed:
         self.rank = self.state.process_index
         self._dist = dist
         self.group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT) if self.world > 1 else None
-        self.stopped = False
+        self.stopped = self.closed = False
 
     @property
     def is_main(self) -> bool:
@@ -92,6 +92,17 @@ class Distributed:
         if self.is_main and not self.stopped:
             self.stopped = True
             self.command("stop")
+
+    def close(self) -> None:
+        """End the process group on this rank, every rank once rank 0 has sent ``stop``: a barrier,
+        so that no rank leaves while another still reads the stop command, then
+        ``destroy_process_group``. Left to the interpreter's exit, gloo's threads were torn down
+        during it, and rank 0 of a two-process CI run once aborted there, after its run had
+        finished ("terminate called without an active exception", exit -6)."""
+        if self.world > 1 and not self.closed and self._dist.is_initialized():
+            self.closed = True
+            self._dist.barrier(group=self.group)
+            self._dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------

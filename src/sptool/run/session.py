@@ -190,6 +190,7 @@ class Session(Training):
         finally:
             for policy in policies.values():
                 policy.close()
+        self.dist.close()  # after rank 0's stop, as rank 0 does
 
     def say(self, message: str) -> None:
         if self.log is not None:
@@ -333,6 +334,7 @@ class Session(Training):
             self._verifier.close()
         if self.dist is not None:
             self.dist.stop()
+            self.dist.close()
 
     # -- step functions every recipe uses --------------------------------------------------------
 
