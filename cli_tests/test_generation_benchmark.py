@@ -147,6 +147,40 @@ def test_the_bf16_baseline_is_a_bf16_copy_of_the_split_trainers_live_weights(tin
         AcceleratorState._reset_state(True)
 
 
+def test_bare_generate_out_of_memory_runs_the_batch_in_parts(tiny_model_dir):
+    """When bare ``generate`` runs out of device memory on a batch, the batch runs in halves (the
+    rows that fit are kept for the timed replay), and its decoding steps are its longest part's."""
+    import torch
+
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+
+    backend = HFBackend("tiny", device="cpu", batch_size=4)
+    generate, seen, said = backend.model.generate, [], []
+
+    def short_of_memory(**kwargs):
+        seen.append(kwargs["input_ids"].shape[0])
+        if kwargs["input_ids"].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.41 GiB.")
+        return generate(**kwargs)
+
+    backend.model.generate = short_of_memory
+    calls = [dict(prompts=["What is 2 + 3?", "Name a colour.", "Say hi.", "Count to 3."], n=1,
+                  params=SamplingParams(temperature=0.0, max_new_tokens=3))]
+    try:
+        fit: dict = {}
+        seconds, steps, tokens = generation.bare_replay(backend, calls, fit=fit, log=said.append)
+        assert fit == {"rows": 2} and seen == [4, 2, 2]
+        assert said == ["bare generate ran out of memory at 4 rows; 2 at a time"]
+        assert steps == 3 and 4 <= tokens <= 12 and seconds > 0  # 3 steps of the 4-row batch, not 6
+        seen.clear()
+        generation.bare_replay(backend, calls, fit=fit, log=said.append)
+        assert seen == [2, 2] and len(said) == 1  # the timed replay starts at the rows that fit
+    finally:
+        backend.model.generate = generate
+        backend.close()
+
+
 def test_bare_generate_gets_room_by_dropping_the_kept_caches_only_when_short():
     dropped = []
 
