@@ -40,6 +40,39 @@ def test_grade_with_reference_uses_math_equivalence():
     assert result["label_source"] == "reference"
 
 
+def test_plain_integers_compare_by_value_as_math_verify_does(monkeypatch):
+    """Two plain integers are equivalent exactly when their values are: math-verify's verdict on
+    every pair below (signs, leading zeros, 30 digits), reached without its parse and sympy."""
+    from sptool.stages import verify as verifying
+
+    integers = ["0", "-0", "+0", "007", "7", "-7", "+7", " 85", "85 ", "085", "1000000", "999999",
+                "123456789012345678901234567890", "123456789012345678901234567891"]
+    verifying._EQUIVALENT.clear()
+    same = lambda a, b: verifying.equivalent(verifying.boxed_answer(a), verifying.boxed_answer(b))  # noqa: E731
+    # other forms still go to math-verify: "85.0" is 85 there, "1_000" and "8 5" are not integers
+    assert same("85.0", " 85") and not same("1_000", "1000") and not same("8 5", "85")
+
+    def no_math_verify(*args, **kwargs):
+        raise AssertionError("math-verify was called for two plain integers")
+
+    monkeypatch.setattr(verifying, "parse_answer", no_math_verify)
+    import math_verify
+    monkeypatch.setattr(math_verify, "verify", no_math_verify)
+    for a in integers:
+        for b in integers:
+            assert same(a, b) == (int(a) == int(b)), (a, b)
+    monkeypatch.undo()
+    verifying._EQUIVALENT.clear()
+    import random
+    rng = random.Random(0)
+    pairs = [(a, b) for a in integers for b in integers] + [
+        (str(x), str(x + rng.choice([0, 0, 1, -1, 10]))) for x in (rng.randint(-10 ** 7, 10 ** 7) for _ in range(40))]
+    for a, b in pairs:  # the fast path agrees with math-verify itself
+        from math_verify import verify
+        expected = bool(verify(verifying.parse_answer(a), verifying.parse_answer(b)))
+        assert same(a, b) == expected, (a, b)
+
+
 def test_an_unevaluated_sum_of_the_question_is_no_answer():
     """math-verify simplifies "47+38" to 85; an RL policy learnt to box the question instead of the
     sum (sampled "accuracy" 0.99 after 14 steps on two-digit sums, 0.00 held out under a grader that
