@@ -308,8 +308,11 @@ class Recorder:
         parts = {part: float(seconds.get(part, 0.0)) for part in PARTS[:3]}
         total = float(seconds["total"])
         parts["other"] = max(0.0, total - sum(parts.values()))
-        self.steps.append({"step": step, "total": total, **parts, **extra})
+        checkpoint = float(seconds.get("checkpoint", 0.0))
+        self.steps.append({"step": step, "total": total, **parts, "checkpoint": checkpoint, **extra})
         shown = " ".join(f"{part[:5]} {parts[part]:.2f}" for part in PARTS)
+        if checkpoint:
+            shown += f"; checkpoint copy {checkpoint:.2f}, not counted"
         reward_text = f" reward {extra['mean_reward']:.3f}" if extra.get("mean_reward") is not None else ""
         print(f"[{self.arm}{self.tag}] step {step}/{self.settings.steps}: {total:.2f} s ({shown}){reward_text}",
               file=sys.stderr, flush=True)
@@ -578,6 +581,7 @@ def run_sptool(settings: Settings, recorder: Recorder, workdir: Path, arm: str =
                PYTHONUNBUFFERED="1")
     recorder.notes["command"] = " ".join(command)
     starts: dict[int, float] = {}
+    done: dict[int, float] = {}  # when each iteration's latest stage finished (its "records in" line)
     began = time.perf_counter()
     with subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
                           cwd=ROOT) as process:
@@ -587,6 +591,8 @@ def run_sptool(settings: Settings, recorder: Recorder, workdir: Path, arm: str =
             match = re.match(r"\s*iteration (\d+)/\d+", line)
             if match:
                 starts[int(match.group(1))] = time.perf_counter()
+            elif starts and "records in" in line:
+                done[max(starts)] = time.perf_counter()
             if re.search(r"(iteration \d+/|records in|precision)", line):
                 print(f"[{arm}] {line.rstrip()}", file=sys.stderr, flush=True)
     ended = time.perf_counter()
@@ -602,13 +608,21 @@ def run_sptool(settings: Settings, recorder: Recorder, workdir: Path, arm: str =
     kinds = {"solve": "generation", "verify": "grading", "train": "training"}
     for step in range(1, settings.steps + 1):
         mine = [line for line in lines if line.get("iteration") == step]
-        until = starts.get(step + 1, ended)
+        # the last step ends with its last stage, not with the process (the final checkpoint's
+        # write and the interpreter's exit are no loop step, and TRL's arm is not charged them)
+        until = starts.get(step + 1, done.get(step, ended))
         eval_s = sum(line["wall_s"] for line in mine if line["kind"] == "eval")
         seconds = {"total": until - starts[step] - eval_s}
         for line in mine:
             part = kinds.get(line["kind"])
             if part:
                 seconds[part] = seconds.get(part, 0.0) + line["wall_s"]
+        # the checkpoints are written for the held-out evaluation (every --eval-every steps and the
+        # last): the train step's copy for them is shown apart and left out, as the evaluation is
+        checkpoint_s = sum(line.get("checkpoint_s") or 0.0 for line in mine if line["kind"] == "train")
+        if checkpoint_s:
+            seconds.update(total=seconds["total"] - checkpoint_s, checkpoint=checkpoint_s,
+                           training=seconds.get("training", 0.0) - checkpoint_s)
         filtered = next((line for line in mine if line["kind"] == "filter"), {})
         means = [v for v in (filtered.get("mean_reward") or {}).values() if v is not None]
         verify = next((line for line in mine if line["kind"] == "verify"), {})
@@ -765,15 +779,17 @@ def report(out: Path, reference: str | None = None) -> str:
                      if (d := row["steps"].get(str(s))) else "-" for s in later]
             lines.append(f"{arm:<{width}}" + "".join(f"{c:>16}" for c in cells)
                          + f"{'yes' if row['within_everywhere'] else 'no':>8}")
-    lines += ["", "seconds per step (mean over steps 2..N; step 1 includes warm-up), held-out evaluation excluded",
-              f"{'arm':<{width}}{'step 1':>8}{'total':>8}" + "".join(f"{p:>12}" for p in PARTS) + f"{'eval/call':>11}"]
+    lines += ["", "seconds per step (mean over steps 2..N; step 1 includes warm-up), held-out evaluation excluded, "
+              "and with it the checkpoints sptool writes for it (ckpt: the train step's copy, not in total)",
+              f"{'arm':<{width}}{'step 1':>8}{'total':>8}" + "".join(f"{p:>12}" for p in PARTS)
+              + f"{'ckpt':>8}{'eval/call':>11}"]
     for r in results:
         later = [s for s in r["steps"] if s["step"] >= 2] or r["steps"]
-        row = {key: mean([s[key] for s in later]) for key in ("total", *PARTS)}
+        row = {key: mean([s.get(key, 0.0) for s in later]) for key in ("total", *PARTS, "checkpoint")}
         step1 = r["steps"][0]["total"] if r["steps"] else float("nan")
         eval_s = mean([e["seconds"] for e in r["evals"]]) or 0.0
         lines.append(f"{r['label']:<{width}}{step1:>8.2f}{row['total']:>8.2f}" +
-                     "".join(f"{row[p]:>12.2f}" for p in PARTS) + f"{eval_s:>11.1f}")
+                     "".join(f"{row[p]:>12.2f}" for p in PARTS) + f"{row['checkpoint']:>8.2f}{eval_s:>11.1f}")
         summary["arms"][r["label"]] = {"arm": r["arm"], "seed": r["settings"]["seed"],
                                        "accuracy": {str(e["step"]): e["greedy_accuracy"] for e in r["evals"]},
                                        "seconds_per_step": row, "first_step_s": step1, "eval_s": eval_s,

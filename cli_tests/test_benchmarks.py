@@ -34,6 +34,10 @@ def test_learning_parity_cpu_smoke_runs_bare_and_sptool_arms(tmp_path):
         assert all(s["mean_reward"] > 0 for s in data["steps"]), data["steps"]
         assert any(line.startswith(arm) for line in table.splitlines())
     sptool = json.loads((out / "sptool.json").read_text())
+    # the checkpoint written for the evaluation after step 2 is shown apart, not in the step's time
+    first, last = sptool["steps"]
+    assert first["checkpoint"] == 0 and last["checkpoint"] > 0 and last["training"] >= 0
+    assert "ckpt" in table
     assert "--recipe rlvr" in sptool["notes"]["command"] and "prompts.solve_prefix" in sptool["notes"]["command"]
     # both arms start from the same weights and the same greedy evaluation
     bare = json.loads((out / "bare.json").read_text())

@@ -242,6 +242,16 @@ def test_scripted_recipe_runs_every_stage(recipe, scripted_run):
     roles = {g["role"] for g in groups}
     trained = [r for path in run_dir.glob("iter-*/*train.jsonl") for r in read_jsonl(path)]
     assert any(r.get("checkpoint") for r in trained)
+    # a train step's metrics line says how long it waited for its checkpoint; a deferred one's does not
+    waited = {line["iteration"]: line.get("checkpoint_s") for line in metrics if line["kind"] == "train"}
+    for path in run_dir.glob("iter-*/*train.jsonl"):
+        records = read_jsonl(path)
+        iteration = int(path.parent.name.split("-")[1])
+        if any(r.get("checkpoint") for r in records):
+            assert waited[iteration] >= 0, (iteration, waited)
+        elif all(r.get("deferred") for r in records):
+            assert waited[iteration] is None, (iteration, waited)
+        assert all("checkpoint_s" not in r for r in records)  # the records stay as a resume writes them
     if recipe == "svs":
         # the scripted solver gets 2 of 4 right on "12 + 30", variants share the answer 42
         assert {"solver", "synthesis"} <= roles
@@ -638,6 +648,28 @@ def test_background_checkpoint_copy_keeps_tied_weights_tied(tmp_path):
         with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as handle:
             keys[name] = set(handle.keys())
     assert keys["copy"] == keys["plain"]
+
+
+@pytest.mark.gpu
+def test_pinned_checkpoint_copy_equals_the_device_tensors():
+    """On CUDA the background checkpoint's copy goes through page-locked memory without waiting
+    per tensor: after the one synchronize the copies equal the device's tensors, tied ones stay tied."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sptool.run.checkpoints import _cpu_copy, _pin_snapshots
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).cuda()
+    state = model.state_dict()
+    assert _pin_snapshots(state)
+    copy = _cpu_copy(state, pinned=True)
+    torch.cuda.synchronize()
+    assert copy["lm_head.weight"] is copy["model.embed_tokens.weight"]
+    for name, tensor in state.items():
+        assert copy[name].is_pinned() and copy[name].device.type == "cpu"
+        assert torch.equal(copy[name], tensor.cpu()), name
 
 
 @pytest.mark.slow

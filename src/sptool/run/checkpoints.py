@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -61,9 +62,12 @@ def replay_plan(train_entries: Iterable[tuple[str, list[dict]]], run_dir: Path,
     return starts, [(key, roles) for key, roles in replay if roles]
 
 
-def _cpu_copy(value: Any, seen: dict | None = None) -> Any:
+def _cpu_copy(value: Any, seen: dict | None = None, pinned: bool = False) -> Any:
     """A CPU copy of tensors in nested dicts/lists; tensors that share memory (tied embeddings)
-    stay shared, so ``save_pretrained`` still recognises and drops the tied copy."""
+    stay shared, so ``save_pretrained`` still recognises and drops the tied copy. ``pinned``: CUDA
+    tensors go into page-locked memory without waiting, one after another (the caller then
+    synchronizes): one pageable ``.to("cpu")`` per tensor waits for each copy, and stages it
+    through the driver's buffer."""
     import torch
 
     seen = {} if seen is None else seen
@@ -71,13 +75,50 @@ def _cpu_copy(value: Any, seen: dict | None = None) -> Any:
         key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
                tuple(value.stride()), value.dtype)
         if key not in seen:
-            seen[key] = value.detach().to("cpu", copy=True)
+            tensor = value.detach()
+            if pinned and tensor.is_cuda:
+                copy = torch.empty_like(tensor, device="cpu", pin_memory=True)
+                copy.copy_(tensor, non_blocking=True)
+                seen[key] = copy
+            else:
+                seen[key] = tensor.to("cpu", copy=True)
         return seen[key]
     if isinstance(value, dict):
-        return {k: _cpu_copy(v, seen) for k, v in value.items()}
+        return {k: _cpu_copy(v, seen, pinned) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(v, seen) for v in value)
+        return type(value)(_cpu_copy(v, seen, pinned) for v in value)
     return value
+
+
+def _tensor_bytes(value: Any) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+#: the most page-locked memory a snapshot takes, as a share of the memory available now (the
+#: caching host allocator keeps freed page-locked blocks for the next snapshot)
+PINNED_SHARE = 0.25
+
+
+def _pin_snapshots(*values: Any) -> bool:
+    """Copy to page-locked memory when the tensors are on CUDA and a quarter of the available
+    memory holds them (``PINNED_SHARE``)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return sum(_tensor_bytes(v) for v in values) <= PINNED_SHARE * available
 
 
 def snapshot(trainer) -> Callable[[Path], None] | None:
@@ -87,9 +128,15 @@ def snapshot(trainer) -> Callable[[Path], None] | None:
         return None
     from sptool.train import checkpoint as ckpt
 
+    import torch
+
     policy = trainer.accelerator.unwrap_model(trainer.model)
-    weights = _cpu_copy(policy.state_dict())
-    optimizer = _cpu_copy(trainer.optimizer.state_dict())
+    weights, optimizer = policy.state_dict(), trainer.optimizer.state_dict()
+    pinned = _pin_snapshots(weights, optimizer)
+    seen: dict = {}  # one copy of a tensor in both (none today; tied weights within one)
+    weights, optimizer = _cpu_copy(weights, seen, pinned), _cpu_copy(optimizer, seen, pinned)
+    if pinned:
+        torch.cuda.synchronize()  # the copies are in place before the writer thread reads them
     state = trainer.checkpoint_state()
     tokenizer = trainer.tokenizer
 

@@ -177,6 +177,7 @@ class RunDriver:
             if summary is not None:
                 metrics[name] = summary
         metrics["rejected"] = len(ctx.rejects)
+        metrics.update({name: round(seconds, 3) for name, seconds in ctx.timings.items()})
         if kind in watch.SCREENED_KINDS and watch.benchmark_paths(self.settings):
             metrics["contaminated"] = contaminated
         entry["metrics_line"] = {"iteration": iteration, "stage": step.name, "kind": kind,

@@ -64,6 +64,9 @@ class StepContext:
         self.outputs = outputs
         self.rejects: list[dict] = []
         self.documents: dict[str, tuple[Any, Any]] = {}
+        # seconds of named parts of the step (a train step's checkpoint_s): its metrics line only,
+        # never its records, which a resumed run writes again byte for byte
+        self.timings: dict[str, float] = {}
         self.count = 0
 
     def output(self, name: str) -> list[dict]:

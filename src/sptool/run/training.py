@@ -15,6 +15,7 @@ that updates the policies.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -131,7 +132,11 @@ class Training:
         directory = self.run_dir.path / "ckpt" / name / f"step-{trainer.step:04d}"
         directory.parent.mkdir(parents=True, exist_ok=True)
         record["checkpoint"] = str(directory.relative_to(self.run_dir.path))
+        began = time.monotonic()
         self._save(ctx, name, trainer, directory)
+        # the train step's time on its checkpoint before going on: the CPU copy (the writing goes
+        # on in the background), or the whole save where it cannot
+        ctx.timings["checkpoint_s"] = ctx.timings.get("checkpoint_s", 0.0) + time.monotonic() - began
         policy.saved_step = trainer.step
         how = policy.after_update(str(directory))
         if how is not None:
