@@ -77,7 +77,7 @@ def _cpu_copy(value: Any, seen: dict | None = None, pinned: bool = False) -> Any
         if key not in seen:
             tensor = value.detach()
             if pinned and tensor.is_cuda:
-                copy = torch.empty_like(tensor, device="cpu", pin_memory=True)
+                copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
                 copy.copy_(tensor, non_blocking=True)
                 seen[key] = copy
             else:
