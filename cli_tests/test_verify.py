@@ -40,37 +40,42 @@ def test_grade_with_reference_uses_math_equivalence():
     assert result["label_source"] == "reference"
 
 
-def test_plain_integers_compare_by_value_as_math_verify_does(monkeypatch):
-    """Two plain integers are equivalent exactly when their values are: math-verify's verdict on
-    every pair below (signs, leading zeros, 30 digits), reached without its parse and sympy."""
+def test_plain_numbers_compare_by_value_as_math_verify_does(monkeypatch):
+    """Two plain numbers (integers; decimals of at most 6 places and 12 digits) are equivalent
+    exactly when their values are: math-verify's verdict on every pair below (signs, leading and
+    trailing zeros, 30 digits, neighbours 10^-6 apart), reached without its parse and sympy."""
+    import random
+    from decimal import Decimal
+
+    from math_verify import verify
+
     from sptool.stages import verify as verifying
 
-    integers = ["0", "-0", "+0", "007", "7", "-7", "+7", " 85", "85 ", "085", "1000000", "999999",
-                "123456789012345678901234567890", "123456789012345678901234567891"]
+    numbers = ["0", "-0", "+0", "007", "7", "-7", "+7", " 85", "85 ", "085", "85.0", "85.000", "1000000",
+               "999999", "999999.999999", "123456789012345678901234567890", "123456789012345678901234567891",
+               "431.2", "431.20", "431.21", "-0.125", "0.125", "1.000001", "1"]
+    rng = random.Random(0)
+    for _ in range(30):
+        value = Decimal(f"{rng.randint(-10 ** 5, 10 ** 5)}.{rng.randint(0, 999999):06d}")
+        numbers += [str(value), str(value + rng.choice([Decimal(0), Decimal("0.000001"), Decimal("0.1")]))]
     verifying._EQUIVALENT.clear()
     same = lambda a, b: verifying.equivalent(verifying.boxed_answer(a), verifying.boxed_answer(b))  # noqa: E731
-    # other forms still go to math-verify: "85.0" is 85 there, "1_000" and "8 5" are not integers
-    assert same("85.0", " 85") and not same("1_000", "1000") and not same("8 5", "85")
+    # other forms still go to math-verify: 7 places round to 6 there, "1_000" and "8 5" are no numbers
+    assert same("0.3333333", "0.333333") and not same("1_000", "1000") and not same("8 5", "85")
+    assert same(r"\frac{1}{8}", "0.125")
 
     def no_math_verify(*args, **kwargs):
-        raise AssertionError("math-verify was called for two plain integers")
+        raise AssertionError("math-verify was called for two plain numbers")
 
     monkeypatch.setattr(verifying, "parse_answer", no_math_verify)
     import math_verify
     monkeypatch.setattr(math_verify, "verify", no_math_verify)
-    for a in integers:
-        for b in integers:
-            assert same(a, b) == (int(a) == int(b)), (a, b)
+    pairs = [(a, b) for a in numbers for b in numbers]
+    fast = {(a, b): same(a, b) for a, b in pairs}
+    assert all(fast[a, b] == (Decimal(a.strip()) == Decimal(b.strip())) for a, b in pairs)
     monkeypatch.undo()
-    verifying._EQUIVALENT.clear()
-    import random
-    rng = random.Random(0)
-    pairs = [(a, b) for a in integers for b in integers] + [
-        (str(x), str(x + rng.choice([0, 0, 1, -1, 10]))) for x in (rng.randint(-10 ** 7, 10 ** 7) for _ in range(40))]
-    for a, b in pairs:  # the fast path agrees with math-verify itself
-        from math_verify import verify
-        expected = bool(verify(verifying.parse_answer(a), verifying.parse_answer(b)))
-        assert same(a, b) == expected, (a, b)
+    for a, b in pairs[::7]:  # the values' verdict is math-verify's own
+        assert fast[a, b] == bool(verify(verifying.parse_answer(a), verifying.parse_answer(b))), (a, b)
 
 
 def test_an_unevaluated_sum_of_the_question_is_no_answer():
