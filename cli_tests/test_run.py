@@ -648,6 +648,9 @@ def test_background_checkpoint_copy_keeps_tied_weights_tied(tmp_path):
         with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as handle:
             keys[name] = set(handle.keys())
     assert keys["copy"] == keys["plain"]
+    from sptool.run.checkpoints import _pin_snapshots
+
+    assert not _pin_snapshots(model.state_dict(), {"state": {0: {"exp_avg": torch.zeros(2)}}})  # CPU: no CUDA call
 
 
 @pytest.mark.gpu

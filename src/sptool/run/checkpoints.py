@@ -90,16 +90,17 @@ def _cpu_copy(value: Any, seen: dict | None = None, pinned: bool = False) -> Any
     return value
 
 
-def _tensor_bytes(value: Any) -> int:
+def _tensors(value: Any) -> Iterable:
     import torch
 
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
 
 
 #: the most page-locked memory a snapshot takes, as a share of the memory available now (the
@@ -110,15 +111,14 @@ PINNED_SHARE = 0.25
 def _pin_snapshots(*values: Any) -> bool:
     """Copy to page-locked memory when the tensors are on CUDA and a quarter of the available
     memory holds them (``PINNED_SHARE``)."""
-    import torch
-
-    if not torch.cuda.is_available():
+    tensors = [tensor for value in values for tensor in _tensors(value)]
+    if not any(tensor.is_cuda for tensor in tensors):  # a CPU trainer never touches CUDA here
         return False
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, AttributeError):
         return False
-    return sum(_tensor_bytes(v) for v in values) <= PINNED_SHARE * available
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors) <= PINNED_SHARE * available
 
 
 def snapshot(trainer) -> Callable[[Path], None] | None:
