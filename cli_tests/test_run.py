@@ -243,14 +243,15 @@ def test_scripted_recipe_runs_every_stage(recipe, scripted_run):
     trained = [r for path in run_dir.glob("iter-*/*train.jsonl") for r in read_jsonl(path)]
     assert any(r.get("checkpoint") for r in trained)
     # a train step's metrics line says how long it waited for its checkpoint; a deferred one's does not
-    waited = {line["iteration"]: line.get("checkpoint_s") for line in metrics if line["kind"] == "train"}
+    waited = {(line["iteration"], line["stage"]): line.get("checkpoint_s") for line in metrics
+              if line["kind"] == "train"}
     for path in run_dir.glob("iter-*/*train.jsonl"):
         records = read_jsonl(path)
-        iteration = int(path.parent.name.split("-")[1])
+        step = (int(path.parent.name.split("-")[1]), path.stem.split("-", 1)[1])  # iter-0001/08-train
         if any(r.get("checkpoint") for r in records):
-            assert waited[iteration] >= 0, (iteration, waited)
+            assert waited[step] >= 0, (step, waited)
         elif all(r.get("deferred") for r in records):
-            assert waited[iteration] is None, (iteration, waited)
+            assert waited[step] is None, (step, waited)
         assert all("checkpoint_s" not in r for r in records)  # the records stay as a resume writes them
     if recipe == "svs":
         # the scripted solver gets 2 of 4 right on "12 + 30", variants share the answer 42
