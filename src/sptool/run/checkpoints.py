@@ -133,10 +133,11 @@ def snapshot(trainer) -> Callable[[Path], None] | None:
     policy = trainer.accelerator.unwrap_model(trainer.model)
     weights, optimizer = policy.state_dict(), trainer.optimizer.state_dict()
     pinned = _pin_snapshots(weights, optimizer)
+    devices = {tensor.device for tensor in _tensors([weights, optimizer]) if tensor.is_cuda} if pinned else set()
     seen: dict = {}  # one copy of a tensor in both (none today; tied weights within one)
     weights, optimizer = _cpu_copy(weights, seen, pinned), _cpu_copy(optimizer, seen, pinned)
-    if pinned:
-        torch.cuda.synchronize()  # the copies are in place before the writer thread reads them
+    for device in devices:  # the copies are in place before the writer thread reads them (cuda:N too)
+        torch.cuda.synchronize(device)
     state = trainer.checkpoint_state()
     tokenizer = trainer.tokenizer
 
