@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import re
@@ -307,6 +308,7 @@ def bare_replay(backend, calls, model=None, fit: dict | None = None, log=None) -
                 rows = min(fit.get("rows", len(batch)), len(batch) - part)
                 sync(backend)
                 began = time.perf_counter()
+                short = False
                 try:
                     encoded = tokenizer(batch[part:part + rows], return_tensors="pt", padding=True,
                                         add_special_tokens=False).to(backend.device)
@@ -318,7 +320,10 @@ def bare_replay(backend, calls, model=None, fit: dict | None = None, log=None) -
                 except torch.OutOfMemoryError:
                     if rows == 1:
                         raise
+                    short = True
+                if short:  # outside the except block: the error's frames (and their tensors) are gone
                     encoded = output = None
+                    gc.collect()
                     torch.cuda.empty_cache()
                     fit["rows"] = (rows + 1) // 2
                     if log is not None:
