@@ -497,17 +497,17 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
         fit: dict = {}  # the rows bare generate fits at once, found by the warm-up
         bare_replay(backend, calls[:1], fit=fit, log=say)  # warm-up of the bare arm (allocator, kernels)
         bare_s, bare_steps, bare_tokens = bare_replay(backend, calls, fit=fit, log=say)
-        same_precision = {}
+        bare_columns = {}
         if "rows" in fit:
-            same_precision["bare_rows_at_once"] = fit["rows"]
+            bare_columns["bare_rows_at_once"] = fit["rows"]
         if bf16_model is not None:
             fit_bf16: dict = {}
             bare_replay(backend, calls[:1], bf16_model, fit=fit_bf16, log=say)
             bf16_s, bf16_steps, _ = bare_replay(backend, calls, bf16_model, fit=fit_bf16, log=say)
-            same_precision.update(bare_bf16_steps_s=round(bf16_steps / bf16_s, 1),
-                                  x_bare_bf16=round((steps / seconds) / (bf16_steps / bf16_s), 2))
+            bare_columns.update(bare_bf16_steps_s=round(bf16_steps / bf16_s, 1),
+                                x_bare_bf16=round((steps / seconds) / (bf16_steps / bf16_s), 2))
             if "rows" in fit_bf16:
-                same_precision["bare_bf16_rows_at_once"] = fit_bf16["rows"]
+                bare_columns["bare_bf16_rows_at_once"] = fit_bf16["rows"]
         row = dict(stage=stage_name, recipe=recipe, shape=args.shape, decoder=decoder, attention=attention,
                    graph=graph, sampler=args.sampler, decoding=backend.decoding,
                    calls=len(calls), rows=max(len(c["prompts"]) * c["n"] for c in calls),
@@ -516,7 +516,7 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
                    bare_steps_s=round(bare_steps / bare_s, 1), bare_tok_s=round(bare_tokens / bare_s, 1),
                    x_bare=round((steps / seconds) / (bare_steps / bare_s), 2),
                    floor_steps_s=round(args.hbm / weight_bytes), kv_floor_steps_s=round(args.hbm / (weight_bytes + kv)),
-                   **same_precision, **phases.split(seconds, len(calls)))
+                   **bare_columns, **phases.split(seconds, len(calls)))
         rows.append(row)
         where = (f" (a call: prefill {row['prefill_ms']} ms, token loop {row['loop_ms']} ms, host {row['host_ms']} ms, "
                  f"{row['encode_ms']} ms of it encoding prompts)" if "loop_ms" in row else "")

@@ -108,17 +108,19 @@ def _tensors(value: Any) -> Iterable:
 PINNED_SHARE = 0.25
 
 
-def _pin_snapshots(*values: Any) -> bool:
-    """Copy to page-locked memory when the tensors are on CUDA and a quarter of the available
-    memory holds them (``PINNED_SHARE``)."""
+def _pin_snapshots(*values: Any) -> set:
+    """The CUDA devices to synchronize after copying ``values`` to page-locked memory, or an empty
+    set to copy them as before: no tensor on CUDA (a CPU trainer never touches CUDA here), or more
+    bytes than a quarter of the available memory (``PINNED_SHARE``)."""
     tensors = [tensor for value in values for tensor in _tensors(value)]
-    if not any(tensor.is_cuda for tensor in tensors):  # a CPU trainer never touches CUDA here
-        return False
+    devices = {tensor.device for tensor in tensors if tensor.is_cuda}
+    if not devices:
+        return set()
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, AttributeError):
-        return False
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors) <= PINNED_SHARE * available
+        return set()
+    return devices if sum(t.numel() * t.element_size() for t in tensors) <= PINNED_SHARE * available else set()
 
 
 def snapshot(trainer) -> Callable[[Path], None] | None:
@@ -132,10 +134,9 @@ def snapshot(trainer) -> Callable[[Path], None] | None:
 
     policy = trainer.accelerator.unwrap_model(trainer.model)
     weights, optimizer = policy.state_dict(), trainer.optimizer.state_dict()
-    pinned = _pin_snapshots(weights, optimizer)
-    devices = {tensor.device for tensor in _tensors([weights, optimizer]) if tensor.is_cuda} if pinned else set()
-    seen: dict = {}  # one copy of a tensor in both (none today; tied weights within one)
-    weights, optimizer = _cpu_copy(weights, seen, pinned), _cpu_copy(optimizer, seen, pinned)
+    devices = _pin_snapshots(weights, optimizer)
+    weights = _cpu_copy(weights, pinned=bool(devices))
+    optimizer = _cpu_copy(optimizer, pinned=bool(devices))
     for device in devices:  # the copies are in place before the writer thread reads them (cuda:N too)
         torch.cuda.synchronize(device)
     state = trainer.checkpoint_state()
