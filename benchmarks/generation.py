@@ -213,6 +213,19 @@ class PhaseClock:
 
     def __init__(self, backend):
         self.backend, self.prefill_s, self.decode_s, self.encode_s = backend, 0.0, 0.0, 0.0
+        self.render_s = self.pack_s = 0.0
+
+    def _summed(self, function, total: str):
+        """``function`` timed without synchronising (host-only work: rendering a prompt)."""
+        clock = self
+
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            out = function(*args, **kwargs)
+            setattr(clock, total, getattr(clock, total) + time.perf_counter() - began)
+            return out
+
+        return timed
 
     def _timed(self, function, total: str):
         clock = self
@@ -231,30 +244,39 @@ class PhaseClock:
         from sptool.models.step_decoder import StepDecoder
 
         from sptool.models.hf import HFBackend
+        from sptool.models.hf_decoding import packed_split_weights
 
-        self.saved = StepDecoder.prefill, StepDecoder.decode, HFBackend._encode
+        self.saved = (StepDecoder.prefill, StepDecoder.decode, HFBackend._encode, HFBackend.render,
+                      packed_split_weights.__enter__)
         StepDecoder.prefill = self._timed(StepDecoder.prefill, "prefill_s")
         StepDecoder.decode = self._timed(StepDecoder.decode, "decode_s")
         HFBackend._encode = self._timed(HFBackend._encode, "encode_s")
+        HFBackend.render = self._summed(HFBackend.render, "render_s")
+        packed_split_weights.__enter__ = self._timed(packed_split_weights.__enter__, "pack_s")
         return self
 
     def __exit__(self, *exc):
         from sptool.models.hf import HFBackend
+        from sptool.models.hf_decoding import packed_split_weights
         from sptool.models.step_decoder import StepDecoder
 
-        StepDecoder.prefill, StepDecoder.decode, HFBackend._encode = self.saved
+        (StepDecoder.prefill, StepDecoder.decode, HFBackend._encode, HFBackend.render,
+         packed_split_weights.__enter__) = self.saved
         return False
 
     def split(self, seconds: float, calls: int) -> dict:
         """Milliseconds a call: prefill, token loop (decode less prefill), host (the rest), and of
-        the host's, encoding the prompts (``HFBackend._encode``: tokenising and the copy to the device)."""
+        the host's, rendering the prompts (``HFBackend.render``: the chat template), encoding them
+        (``HFBackend._encode``: tokenising and the copy to the device) and packing the sampler's
+        weights (``packed_split_weights``: the bf16-split sampler's ``[hi | lo]`` copies)."""
         if not self.decode_s:
             return {}
         per_call = 1000 / max(1, calls)
         return dict(prefill_ms=round(self.prefill_s * per_call, 1),
                     loop_ms=round((self.decode_s - self.prefill_s) * per_call, 1),
                     host_ms=round((seconds - self.decode_s) * per_call, 1),
-                    encode_ms=round(self.encode_s * per_call, 1))
+                    encode_ms=round(self.encode_s * per_call, 1), render_ms=round(self.render_s * per_call, 1),
+                    pack_ms=round(self.pack_s * per_call, 1))
 
 
 def sync(backend) -> None:
@@ -519,7 +541,8 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
                    **bare_columns, **phases.split(seconds, len(calls)))
         rows.append(row)
         where = (f" (a call: prefill {row['prefill_ms']} ms, token loop {row['loop_ms']} ms, host {row['host_ms']} ms, "
-                 f"{row['encode_ms']} ms of it encoding prompts)" if "loop_ms" in row else "")
+                 f"of it {row['render_ms']} ms rendering, {row['encode_ms']} ms encoding prompts, {row['pack_ms']} ms "
+                 f"packing weights)" if "loop_ms" in row else "")
         bf16 = (f"; vs bare on a bf16 copy {row['bare_bf16_steps_s']} steps/s: x{row['x_bare_bf16']}"
                 if "x_bare_bf16" in row else "")
         print(f"# {stage_name} ({decoder}, {attention}, {graph}): {row['steps_s']} steps/s ({row['tok_s']} tok/s) vs bare {row['bare_steps_s']} "
@@ -625,7 +648,7 @@ def loop_step_memory(trainer, backend, args, cuda: bool) -> dict:
 STAGE_HEADER = ["stage", "recipe", "shape", "decoder", "attention", "graph", "sampler", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",
                 "tok_s", "bare_steps_s", "bare_tok_s", "x_bare", "bare_bf16_steps_s", "x_bare_bf16", "bare_rows_at_once",
                 "bare_bf16_rows_at_once", "floor_steps_s", "kv_floor_steps_s",
-                "prefill_ms", "loop_ms", "host_ms", "encode_ms"]
+                "prefill_ms", "loop_ms", "host_ms", "render_ms", "encode_ms", "pack_ms"]
 
 
 #: issue 33's target: every generating stage at this many times bare ``generate``'s decode steps/s

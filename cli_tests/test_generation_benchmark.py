@@ -95,21 +95,26 @@ def test_the_phase_clock_splits_a_step_decoded_call_into_prefill_token_loop_and_
 
     from sptool.models.base import SamplingParams
     from sptool.models.hf import HFBackend
+    from sptool.models.hf_decoding import packed_split_weights
     from sptool.models.step_decoder import StepDecoder
 
     backend = HFBackend("tiny", device="cpu", batch_size=4, decoder="step")
-    prefill, decode, encode = StepDecoder.prefill, StepDecoder.decode, HFBackend._encode
+    patched = (StepDecoder.prefill, StepDecoder.decode, HFBackend._encode, HFBackend.render,
+               packed_split_weights.__enter__)
     try:
         params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=1)
         with generation.PhaseClock(backend) as phases:
             began = time.perf_counter()
             backend.generate(["What is 2 + 3?", "Name a colour."], 2, params)
             seconds = time.perf_counter() - began
-        assert (StepDecoder.prefill, StepDecoder.decode, HFBackend._encode) == (prefill, decode, encode)
+        assert (StepDecoder.prefill, StepDecoder.decode, HFBackend._encode, HFBackend.render,
+                packed_split_weights.__enter__) == patched
         split = phases.split(seconds, calls=1)
         assert split["prefill_ms"] > 0 and split["loop_ms"] > 0 and split["host_ms"] >= 0
         assert abs(split["prefill_ms"] + split["loop_ms"] + split["host_ms"] - seconds * 1000) < 0.5
         assert 0 < split["encode_ms"] <= split["host_ms"]  # the prompts' encoding is part of the host's time
+        assert 0 < phases.render_s * 1000 <= split["host_ms"]  # so is rendering them
+        assert split["pack_ms"] >= 0  # a float32 sampler packs nothing, but the entry is timed
         assert 0 < phases.prefill_s < phases.decode_s < seconds
         assert generation.PhaseClock(backend).split(1.0, calls=1) == {}  # no step-decoded call: no columns
     finally:

@@ -14,8 +14,8 @@ Design. A batch is decoded in three parts:
   cache, a full-length attention mask with the prompt's padding masked), temperature and top-p
   sampling without a host synchronisation (the argmax of ``probs / Exponential(1)`` noise: a
   sample from ``probs`` with no ``torch.multinomial``), the chosen token's log-probability under
-  the raw logits (what :class:`sptool.models.hf_decoding.LogprobRecorder` records on the
-  ``generate`` path), and the finished-row bookkeeping (EOS ends a row; finished rows emit the
+  the raw logits when the call asks for log-probabilities (what
+  :class:`sptool.models.hf_decoding.LogprobRecorder` records on the ``generate`` path), and the finished-row bookkeeping (EOS ends a row; finished rows emit the
   pad token; each row's length counts its tokens up to and including EOS). On CUDA with
   ``compile`` the whole step goes through ``torch.compile(mode="reduce-overhead")``: one CUDA
   graph replay per token (``graph="compile"``, the default). With ``graph="capture"`` the step is
@@ -128,11 +128,14 @@ class Decoded:
     steps: int
 
 
-def choose(logits, finished, lengths, temperature, top_p, eos, pad: int, sample: bool, nucleus: bool):
+def choose(logits, finished, lengths, temperature, top_p, eos, pad: int, sample: bool, nucleus: bool,
+           record: bool = True):
     """The next token of every row from its ``logits`` (rows x vocabulary), sync-free.
 
     Returns ``(token, log-probability of token under the raw logits, finished, lengths)``:
-    finished rows get ``pad``; a row's length grows while it is unfinished; EOS finishes it."""
+    finished rows get ``pad``; a row's length grows while it is unfinished; EOS finishes it.
+    ``record`` False (no log-probabilities asked for, e.g. greedy evaluation): the log-probability
+    is None, and the step skips the log-sum-exp over the vocabulary."""
     import torch
 
     raw = logits.float()
@@ -150,7 +153,7 @@ def choose(logits, finished, lengths, temperature, top_p, eos, pad: int, sample:
     else:
         token = raw.argmax(dim=-1)
     token = torch.where(finished, torch.full_like(token, pad), token)
-    chosen = raw.gather(-1, token.unsqueeze(-1)).squeeze(-1) - raw.logsumexp(dim=-1)
+    chosen = raw.gather(-1, token.unsqueeze(-1)).squeeze(-1) - raw.logsumexp(dim=-1) if record else None
     lengths = lengths + (~finished).long()
     finished = finished | (token.unsqueeze(-1) == eos.unsqueeze(0)).any(dim=-1)
     return token, chosen, finished, lengths
@@ -292,10 +295,10 @@ class StepDecoder:
             self._prefill_forward = torch.compile(self._prompt_forward, **{**options, "dynamic": True})
 
     def _forward_and_choose(self, cache, tokens, positions, mask, finished, lengths, temperature, top_p, eos,
-                            pad: int, sample: bool, nucleus: bool):
+                            pad: int, sample: bool, nucleus: bool, record: bool):
         logits = self.model(input_ids=tokens.unsqueeze(-1), position_ids=positions.unsqueeze(-1),
                             attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
-        return choose(logits, finished, lengths, temperature, top_p, eos, pad, sample, nucleus)
+        return choose(logits, finished, lengths, temperature, top_p, eos, pad, sample, nucleus, record)
 
     def _prompt_forward(self, input_ids, attention_mask, positions):
         """The prompts through the model into a new dynamic cache: the last position's logits and
@@ -384,7 +387,7 @@ class StepDecoder:
 
         logits, last_positions = self.prefill(cache, input_ids, attention_mask, row_map)
         token, chosen, finished, lengths = choose(logits, finished, lengths, temperature_t, top_p_t, eos, pad_id,
-                                                  sample, nucleus)
+                                                  sample, nucleus, logprobs)
         del logits
         tokens[:, 0] = token
         if chosen_logprobs is not None:
@@ -398,7 +401,7 @@ class StepDecoder:
         cuda = device.type == "cuda"
         if self.graph == "capture":
             state = [current, positions, mask, finished, lengths, temperature_t, top_p_t, eos]
-            captured = self._captured_step(cache, state, (pad_id, sample, nucleus))
+            captured = self._captured_step(cache, state, (pad_id, sample, nucleus, logprobs))
             captured.load(state)
             # the loop's state is the captured step's own buffers from here on
             current, positions, mask, finished, lengths = captured.inputs[:5]
@@ -408,7 +411,7 @@ class StepDecoder:
                 if cuda and self.compile:
                     torch.compiler.cudagraph_mark_step_begin()
                 return self._step(cache, current, positions, mask, finished, lengths, temperature_t, top_p_t, eos,
-                                  pad_id, sample, nucleus)
+                                  pad_id, sample, nucleus, logprobs)
         columns, reported = 1, 0
         stopped: set[int] = set()
         while columns < max_new_tokens:
