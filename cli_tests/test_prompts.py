@@ -205,6 +205,8 @@ def test_the_prompt_encoder_pads_a_large_batch_on_threads_exactly_as_the_tokeniz
     for threads in (4, 1):
         encoder = PromptEncoder(tokenizer, threads=threads)
         assert encoder.fast
+        # a copy of the encoder for each thread (threads sharing one contend for its cache's lock)
+        assert len({id(copy) for copy in encoder.encoders}) == threads
         for batch in (texts, texts[:3]):  # on threads, and one call below PARALLEL_ENCODE_MIN
             input_ids, attention_mask = encoder(batch)
             expected = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
