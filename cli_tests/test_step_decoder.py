@@ -773,9 +773,11 @@ def test_a_bf16_split_sampler_decodes_with_packed_parts_as_with_two_gemms_in_one
     assert counters["stats"]["unique_graphs"] - graphs <= 2 and sum(counters["graph_break"].values()) == breaks
     layers = [module for module in model.modules() if hasattr(module, "split_packed")]
     assert layers and not any(layer.split_packed_on for layer in layers)
+    # q/k/v and gate/up multiplied as one GEMM each (SiblingGEMM): 5 of a layer's 7 linears are in a set
+    assert sum(bool(layer.split_group) for layer in layers) == 5 * model.config.num_hidden_layers
     monkeypatch.setattr(hf, "packed_split_weights", lambda model, dtype: contextlib.nullcontext())
     for layer in layers:
-        del layer.split_packed, layer.split_packed_on
+        del layer.split_packed, layer.split_packed_on, layer.split_group
     two_gemms = decoded(compile_step=False)
     assert not any(hasattr(module, "split_packed") for module in model.modules())
     assert tokens_of(packed) == tokens_of(two_gemms)

@@ -285,3 +285,59 @@ def test_a_samplers_packed_split_parts_give_the_split_sum_in_one_gemm_and_follow
         assert len(gemms) == 3 and layer.weight.grad is not None  # forward: hi and lo; backward: ∂L/∂w
     finally:
         rounding.mm_fp32 = original
+
+
+def test_a_samplers_sibling_linears_share_one_packed_tensor_and_one_gemm():
+    """Linears of one module that read the same input (q/k/v projections, gate/up) multiply as one
+    GEMM in a sampler's call (``SiblingGEMM``): their packed rows are views of one stacked tensor,
+    q(x), k(x), v(x) cost one GEMM and give each layer's own split sum, a sibling called with another
+    input is computed for that input, and an update shows at the next entry."""
+    from sptool.models.hf_decoding import SiblingGEMM, packed_split_weights
+    from sptool.train import rounding
+
+    generator = torch.Generator().manual_seed(5)
+    attention = torch.nn.Module()
+    for name, out in (("q_proj", 48), ("k_proj", 16), ("v_proj", 16), ("o_proj", 64)):
+        layer = torch.nn.Linear(64, out, bias=name != "o_proj")
+        with torch.no_grad():
+            layer.weight.copy_(on_grid((out, 64), generator))
+            if layer.bias is not None:
+                layer.bias.copy_(torch.randn(out, generator=generator))
+        setattr(attention, name, layer)
+    assert use_weight_rounding(attention, "split") == 4
+    names = ("q_proj", "k_proj", "v_proj")
+    x, y = torch.randn(3, 5, 64, generator=generator), torch.randn(3, 5, 64, generator=generator)
+
+    def one_by_one(inputs):  # each layer's own packed GEMM: the reference
+        return [rounding.packed_linear(value, getattr(attention, name).split_packed, getattr(attention, name).bias,
+                                       torch.bfloat16) for name, value in zip(names, inputs)]
+
+    gemms = []
+    original = rounding.mm_fp32
+    rounding.mm_fp32 = lambda a, b: gemms.append(tuple(b.shape)) or original(a, b)
+    try:
+        with torch.inference_mode(), packed_split_weights(attention, torch.bfloat16):
+            group = attention.q_proj.split_group[0]
+            assert isinstance(group, SiblingGEMM) and group.members == [getattr(attention, n) for n in names]
+            assert attention.o_proj.split_group is None  # no sibling of that name
+            for name in names:  # views of the stacked tensor
+                assert getattr(attention, name).split_packed.untyped_storage().data_ptr() == \
+                    group.packed.untyped_storage().data_ptr()
+            together = bf16(lambda: [getattr(attention, name)(x) for name in names])
+            assert gemms == [(128, 80)] and group.pending is None  # one GEMM for the three; nothing left over
+            gemms.clear()
+            expected = one_by_one([x, x, x])
+            assert all(torch.equal(a, b) for a, b in zip(together, expected))
+            gemms.clear()
+            mixed = bf16(lambda: [attention.q_proj(x), attention.k_proj(y), attention.v_proj(x)])
+            assert len(gemms) == 3  # k with another input: computed again for each change of input
+            gemms.clear()
+            assert all(torch.equal(a, b) for a, b in zip(mixed, one_by_one([x, y, x])))
+        with torch.no_grad():
+            attention.k_proj.weight.add_(1e-5 * torch.sign(torch.randn(16, 64, generator=generator)))
+        with torch.inference_mode(), packed_split_weights(attention, torch.bfloat16):
+            assert attention.k_proj.split_group[0] is group  # kept, refreshed in place
+            after = bf16(lambda: [getattr(attention, name)(x) for name in names])
+        assert torch.equal(after[0], together[0]) and not torch.equal(after[1], together[1])
+    finally:
+        rounding.mm_fp32 = original

@@ -114,6 +114,61 @@ class regional_compile_off:
         return False
 
 
+#: children of one module that multiply the same input (by name: a Llama-family attention's query,
+#: key and value projections, its MLP's gate and up projections): a sampler's call multiplies each
+#: set as one GEMM (:class:`SiblingGEMM`)
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class SiblingGEMM:
+    """Split-rounded linears of one module that multiply the same input, as one GEMM in a sampler's
+    call: their packed ``[hi | lo]`` rows stacked in one tensor (:attr:`packed`; each layer's
+    ``split_packed`` is a view of its rows, so packing a layer writes there), their biases in one.
+
+    The first of them called with an input computes every member's output in one GEMM; the others,
+    called with that same tensor (``is``: the attention's ``q_proj(x)``, ``k_proj(x)``,
+    ``v_proj(x)``), return their part of it. A member called with another tensor starts again, so
+    the result never depends on the order of the calls. At 512 rows a decoding step's GEMMs are
+    bound by their count: a Llama layer's seven GEMMs become four."""
+
+    def __init__(self, members, packed, bias):
+        self.members, self.packed, self.bias = list(members), packed, bias
+        self.sizes = [member.out_features for member in self.members]
+        self.pending = None  # (input, every member's output, members yet to take theirs)
+
+    def output(self, index: int, x, dtype):
+        """Member ``index``'s output for input ``x``."""
+        from sptool.train.rounding import packed_linear
+
+        pending = self.pending
+        if pending is None or pending[0] is not x:
+            outputs = packed_linear(x, self.packed, self.bias, dtype).split(self.sizes, dim=-1)
+            pending = (x, outputs, len(self.members))
+        left = pending[2] - 1
+        self.pending = (x, pending[1], left) if left > 0 else None
+        return pending[1][index]
+
+
+def _sibling_sets(model):
+    """``(parent, [linears])`` for each :data:`SIBLINGS` set whose members are all split-rounded
+    float32 ``nn.Linear`` layers of the same input width and device, with biases on all or none."""
+    import torch
+
+    for parent in model.modules():
+        for names in SIBLINGS:
+            members = [getattr(parent, name, None) for name in names]
+            if not all(type(member) is torch.nn.Linear and getattr(member, "weight_rounding", None) == "split"
+                       and "forward" in vars(member) and member.weight.dtype == torch.float32
+                       for member in members):
+                continue
+            first = members[0].weight
+            if any(member.in_features != first.shape[1] or member.weight.device != first.device
+                   for member in members):
+                continue
+            if len({member.bias is None for member in members}) == 1:
+                yield parent, members
+
+
 class packed_split_weights:
     """While entered (a sampler's call, no gradient): every linear of ``model`` routed with the
     ``split`` rounding (:mod:`sptool.train.rounding`: a ``weight_rounding`` attribute of ``"split"``)
@@ -121,12 +176,44 @@ class packed_split_weights:
     current float32 weights, in one GEMM (``sptool.train.rounding.packed_linear``), instead of
     splitting its weight and running two GEMMs at every forward. The same sum; for a decoder that
     runs a step per token at 512 rows, bound by its kernel count, half the GEMMs and no split per
-    step. Each layer keeps its packed tensor (``split_packed``: twice the weight's elements in the
-    low precision) and refreshes it in place on every entry, so a captured CUDA graph reads the
-    weights of the latest update."""
+    step. Linears that multiply the same input (:data:`SIBLINGS`) share one packed tensor and one
+    GEMM (:class:`SiblingGEMM`). Each layer keeps its packed tensor (``split_packed``: twice the
+    weight's elements in the low precision) and refreshes it in place on every entry, so a captured
+    CUDA graph reads the weights of the latest update."""
 
     def __init__(self, model, dtype):
-        self.model, self.dtype, self.layers = model, dtype, []
+        self.model, self.dtype, self.layers, self.groups = model, dtype, [], []
+
+    def _group(self, members):
+        """The kept :class:`SiblingGEMM` of ``members``, or a new one whose stacked tensor their
+        ``split_packed`` views (made on the first entry, or when a layer's shape or place changed)."""
+        import torch
+
+        kept = getattr(members[0], "split_group", None)
+        group = kept[0] if kept else None
+        rows = sum(member.out_features for member in members)
+        width = 2 * members[0].in_features
+        device = members[0].weight.device
+        if group is None or group.members != members or group.packed.shape != (rows, width) \
+                or group.packed.dtype != self.dtype or group.packed.device != device:
+            with torch.inference_mode(False):  # normal tensors: refreshed in or out of inference mode
+                packed = torch.empty((rows, width), dtype=self.dtype, device=device)
+                bias = None if members[0].bias is None else torch.empty(rows, dtype=torch.float32, device=device)
+            torch._dynamo.mark_static_address(packed)  # read in place by compiled CUDA graphs
+            if bias is not None:
+                torch._dynamo.mark_static_address(bias)
+            group = SiblingGEMM(members, packed, bias)
+            start = 0
+            for index, member in enumerate(members):
+                member.split_packed = packed[start:start + member.out_features]
+                member.split_group = (group, index)
+                start += member.out_features
+        if group.bias is not None:
+            start = 0
+            for member in members:
+                group.bias[start:start + member.out_features].copy_(member.bias.detach())
+                start += member.out_features
+        return group
 
     def __enter__(self):
         import torch
@@ -134,6 +221,8 @@ class packed_split_weights:
         if self.dtype not in (torch.bfloat16, torch.float16):
             return self
         with torch.no_grad():
+            self.groups = [self._group(members) for _, members in _sibling_sets(self.model)]
+            grouped = {id(member) for group in self.groups for member in group.members}
             for module in self.model.modules():
                 if getattr(module, "weight_rounding", None) != "split" or "forward" not in vars(module):
                     continue
@@ -149,6 +238,8 @@ class packed_split_weights:
                                                                         dtype=self.dtype)
                     # the same tensor every call: torch.compile's CUDA graphs read it in place, no copy
                     torch._dynamo.mark_static_address(packed)
+                if id(module) not in grouped:
+                    module.split_group = None
                 hi = weight.to(self.dtype)
                 packed[:, :in_features].copy_(hi)
                 packed[:, in_features:].copy_(weight - hi.float())
@@ -159,5 +250,7 @@ class packed_split_weights:
     def __exit__(self, *exc):
         for module in self.layers:
             module.split_packed_on = False
-        self.layers = []
+        for group in self.groups:
+            group.pending = None
+        self.layers, self.groups = [], []
         return False
