@@ -422,6 +422,71 @@ def test_a_runs_step_graph_setting_reaches_its_backend(tmp_path):
 
 
 @pytest.mark.slow
+def test_grouped_attention_reads_a_kv_window_that_grows_with_the_written_positions(backends, monkeypatch):
+    """The grouped decode attention reads only the cache's first ``decode_window`` positions, the
+    next multiple of ``WINDOW`` above every written one, and the whole cache once that is no shorter.
+    The greedy tokens are eager ``generate``'s and those of no window at all. With a captured step
+    (the base class standing in for the CUDA graph, ``aot_eager``) each window has its own step and
+    the loop's state moves on to the next one."""
+    from unittest import mock
+
+    from sptool.models import decode_attention
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+    from sptool.models.hf_decoding import bucket_length
+    from sptool.models.step_decoder import CapturedStep, StepDecoder
+
+    eager, _ = backends
+    monkeypatch.setattr(decode_attention, "WINDOW", 16)
+
+    def backend(**decoder):
+        made = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, decoder="step",
+                                    decode_attention="grouped")
+        made._step_decoder = StepDecoder(eager.model, compile_prefill=False, **decoder)
+        return made
+
+    tokens = 12
+    greedy = SamplingParams(temperature=0, max_new_tokens=tokens)
+    prompt_length = eager._encode([eager.render(prompt) for prompt in PROMPTS])["input_ids"].shape[1]
+    cache_length = bucket_length(prompt_length + tokens)
+    windows: list[int | None] = []
+    real = decode_attention.grouped_decode_attention
+
+    def spy(module, query, key, *args, **kwargs):
+        if query.shape[2] == 1:  # a decoding step (the prefill's prompts go to SDPA)
+            windows.append(kwargs.get("decode_window"))
+            assert key.shape[-2] == cache_length  # the whole cache is handed over; the function reads its window
+        return real(module, query, key, *args, **kwargs)
+
+    with mock.patch.object(decode_attention, "grouped_decode_attention", spy):
+        decode_attention.register()
+        try:
+            windowed = tokens_of(backend().generate(PROMPTS, 2, greedy))
+        finally:
+            decode_attention.register()
+    # 16-position windows: each the next multiple of 16 above the positions written so far
+    expected = [-(-(prompt_length + column) // 16) * 16 for column in range(1, tokens)]
+    expected = [window if window < cache_length else None for window in expected]
+    assert len(set(expected)) == 2, "the test's prompts cross no window boundary"
+    layers = eager.model.config.num_hidden_layers
+    assert windows == [window for window in expected for _ in range(layers)]
+    check_same_greedy(eager, tokens_of(eager.generate(PROMPTS, 2, greedy)), windowed)
+    made: list[CapturedStep] = []
+
+    class Recorded(CapturedStep):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    captured = backend(compile=True, compile_options=dict(backend="aot_eager", dynamic=False), graph="capture",
+                       captured_step=Recorded)
+    assert tokens_of(captured.generate(PROMPTS, 2, greedy)) == windowed
+    assert len(made) == 2  # a captured step per window, the loop's state carried over
+    monkeypatch.setattr(decode_attention, "WINDOW", 1024)  # no window shorter than the cache
+    check_same_greedy(eager, windowed, tokens_of(backend().generate(PROMPTS, 2, greedy)))
+
+
+@pytest.mark.slow
 def test_a_captured_step_keeps_its_buffers_per_cache_and_is_made_again_when_a_weight_moves(backends):
     """``graph="capture"``: the loop runs over the captured step's own buffers, one step per cache
     and sampling variant, reused by the next call on that cache (a CUDA graph is captured once),

@@ -24,6 +24,12 @@ Design. A batch is decoded in three parts:
   (:class:`CudaGraphStep`): a token then costs the host one ``replay()``, not dynamo's guards and
   the graph tree's input copies (an H100 profile: 7.1 ms of wall time a solve step for 4.66 ms of
   device time). Elsewhere the step runs eagerly.
+- **the KV window**: with the grouped decode attention (:mod:`sptool.models.decode_attention`) a
+  step reads only the cache's first ``decode_window`` positions, the next multiple of
+  :data:`~sptool.models.decode_attention.WINDOW` above every position written so far; the window
+  grows during a call, one compiled (and captured) step per window, the loop's buffers handed from
+  one to the next. A greedy eval call of 78-token prompts and 64 new tokens reads 128 positions for
+  its first 49 steps where the cache holds 192.
 - **the loop**: nothing in it reads a device value back, so the host only queues work; every
   :data:`CHECK_EVERY` steps one check synchronises: all real rows finished ends the batch early,
   rows whose text so far holds a stop string are finished, the progress listener is told the
@@ -295,9 +301,11 @@ class StepDecoder:
             self._prefill_forward = torch.compile(self._prompt_forward, **{**options, "dynamic": True})
 
     def _forward_and_choose(self, cache, tokens, positions, mask, finished, lengths, temperature, top_p, eos,
-                            pad: int, sample: bool, nucleus: bool, record: bool):
+                            pad: int, sample: bool, nucleus: bool, record: bool, window: int | None):
+        # window: the grouped decode attention reads the cache's first `window` positions only
+        extra = {} if window is None else {"decode_window": window}
         logits = self.model(input_ids=tokens.unsqueeze(-1), position_ids=positions.unsqueeze(-1),
-                            attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
+                            attention_mask=mask, past_key_values=cache, use_cache=True, **extra).logits[:, -1]
         return choose(logits, finished, lengths, temperature, top_p, eos, pad, sample, nucleus, record)
 
     def _prompt_forward(self, input_ids, attention_mask, positions):
@@ -396,25 +404,38 @@ class StepDecoder:
         # by its next replay, so they are copied out at once)
         current = token.clone()
         positions = last_positions + 1
-        mask = torch.ones((rows, cache.layers[0].max_cache_len), dtype=attention_mask.dtype, device=device)
+        cache_length = cache.layers[0].max_cache_len
+        mask = torch.ones((rows, cache_length), dtype=attention_mask.dtype, device=device)
         mask[:, :prompt_length] = attention_mask.index_select(0, row_map)
         cuda = device.type == "cuda"
+        constants = (pad_id, sample, nucleus, logprobs)
+        window_at = self._windows(prompt_length, cache_length)
+        window = window_at(1)
+        captured = None
         if self.graph == "capture":
             state = [current, positions, mask, finished, lengths, temperature_t, top_p_t, eos]
-            captured = self._captured_step(cache, state, (pad_id, sample, nucleus, logprobs))
+            captured = self._captured_step(cache, state, (*constants, window))
             captured.load(state)
             # the loop's state is the captured step's own buffers from here on
             current, positions, mask, finished, lengths = captured.inputs[:5]
-            step = captured.replay
-        else:
-            def step():
-                if cuda and self.compile:
-                    torch.compiler.cudagraph_mark_step_begin()
-                return self._step(cache, current, positions, mask, finished, lengths, temperature_t, top_p_t, eos,
-                                  pad_id, sample, nucleus, logprobs)
+
+        def step():
+            if captured is not None:
+                return captured.replay()
+            if cuda and self.compile:
+                torch.compiler.cudagraph_mark_step_begin()
+            return self._step(cache, current, positions, mask, finished, lengths, temperature_t, top_p_t, eos,
+                              *constants, window)
         columns, reported = 1, 0
         stopped: set[int] = set()
         while columns < max_new_tokens:
+            if window_at(columns) != window:  # the written positions outgrew the window: the next one
+                window = window_at(columns)
+                if captured is not None:
+                    state = captured.inputs
+                    captured = self._captured_step(cache, state, (*constants, window))
+                    captured.load(state)
+                    current, positions, mask, finished, lengths = captured.inputs[:5]
             if columns % self.check_every == 0:
                 if listener is not None:
                     listener(real_rows * (columns - reported))
@@ -444,6 +465,23 @@ class StepDecoder:
             values = chosen_logprobs[:real_rows, :columns].tolist()
             values = [row[:length] for row, length in zip(values, lengths_host)]
         return Decoded(ids=ids, logprobs=values, steps=columns)
+
+    def _windows(self, prompt_length: int, cache_length: int) -> Callable[[int], int | None]:
+        """The KV window of the step that feeds the token of column ``columns`` (None: the whole
+        cache): the next multiple of :data:`sptool.models.decode_attention.WINDOW` above every
+        written position (``prompt_length + columns - 1``), while that is shorter than the cache,
+        for a model whose attention is the grouped decode attention (others read the whole cache)."""
+        from sptool.models import decode_attention
+
+        if getattr(self.model.config, "_attn_implementation", None) != decode_attention.NAME:
+            return lambda columns: None
+        size = decode_attention.WINDOW
+
+        def window_at(columns: int) -> int | None:
+            window = -(-(prompt_length + columns) // size) * size
+            return window if window < cache_length else None
+
+        return window_at
 
     def _captured_step(self, cache, inputs, constants) -> CapturedStep:
         """The kept captured step of ``cache`` for this sampling variant and buffer shapes; a new one
