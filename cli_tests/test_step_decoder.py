@@ -716,9 +716,9 @@ def small_model(family: str, tokenizer):
 def test_other_model_families_step_decode_as_generate_in_one_graph_or_fall_back(backends, family):
     """Issue 33: the step decoder works for every model family the hf backend loads, or says in
     one line that it can't. Each family's greedy tokens equal eager generate's, with the model's
-    attention and with grouped. The compiled step (``aot_eager``) is one graph, the compiled prefill
-    another. Gemma-2's sliding
-    window layers fall back to generate, with its note."""
+    attention, with grouped and with grouped over 16-position KV windows. The compiled step
+    (``aot_eager``) is one graph, the compiled prefill another. Gemma-2's sliding window layers fall
+    back to generate, with its note."""
     from torch._dynamo.utils import counters
 
     from sptool.models.base import SamplingParams
@@ -746,6 +746,14 @@ def test_other_model_families_step_decode_as_generate_in_one_graph_or_fall_back(
         else:
             assert fast.decoder == "step" and fast._step_proven and fast._step_decoder._prefill_proven
             assert counters["stats"]["unique_graphs"] - graphs == 2  # the whole step and the prefill, no break
+    if family != "gemma2":  # grouped attention over 16-position KV windows (the kwarg reaches it)
+        from sptool.models import decode_attention
+
+        windowed = HFBackend.from_model(model, tokenizer, model_id=family, batch_size=8, decoder="step",
+                                        decode_attention="grouped")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(decode_attention, "WINDOW", 16)
+            assert tokens_of(windowed.generate(PROMPTS, 2, params)) == want and windowed.decoder == "step"
 
 
 @pytest.mark.slow
