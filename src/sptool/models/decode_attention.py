@@ -17,7 +17,9 @@ transformers' own SDPA function unchanged.
 A static cache holds every position a call may reach, and most of them are still empty early in
 the call. The step decoder passes ``decode_window`` (a model keyword argument that transformers
 hands to the attention function): the positions ``[0, window)`` hold every written one, so only
-they are read (:data:`WINDOW`-sized steps, one compiled and captured step per window). :func:`register` registers the function (with SDPA's
+they are read (windows in :data:`WINDOW`-sized steps, one compiled and captured step each).
+
+:func:`register` registers the function (with SDPA's
 mask) under :data:`NAME`, and :func:`attention_implementation` switches a model to it inside a block;
 ``model.decode_attention = "grouped"`` switches the hf backend to it around each ``generate``
 call; ``benchmarks/generation.py --stages --attention model,grouped`` measures it against SDPA.

@@ -15,9 +15,9 @@ Design. A batch is decoded in three parts:
   sampling without a host synchronisation (the argmax of ``probs / Exponential(1)`` noise: a
   sample from ``probs`` with no ``torch.multinomial``), the chosen token's log-probability under
   the raw logits when the call asks for log-probabilities (what
-  :class:`sptool.models.hf_decoding.LogprobRecorder` records on the ``generate`` path), and the finished-row bookkeeping (EOS ends a row; finished rows emit the
-  pad token; each row's length counts its tokens up to and including EOS). On CUDA with
-  ``compile`` the whole step goes through ``torch.compile(mode="reduce-overhead")``: one CUDA
+  :class:`sptool.models.hf_decoding.LogprobRecorder` records on the ``generate`` path), and the
+  finished-row bookkeeping (EOS ends a row; finished rows emit the pad token; each row's length
+  counts its tokens up to and including EOS). On CUDA with ``compile`` the whole step goes through ``torch.compile(mode="reduce-overhead")``: one CUDA
   graph replay per token (``graph="compile"``, the default). With ``graph="capture"`` the step is
   compiled without torch's CUDA graphs and sptool captures it itself, one
   :class:`torch.cuda.CUDAGraph` per cache and sampling variant over buffers it keeps
