@@ -17,8 +17,9 @@ Design. A batch is decoded in three parts:
   the raw logits when the call asks for log-probabilities (what
   :class:`sptool.models.hf_decoding.LogprobRecorder` records on the ``generate`` path), and the
   finished-row bookkeeping (EOS ends a row; finished rows emit the pad token; each row's length
-  counts its tokens up to and including EOS). On CUDA with ``compile`` the whole step goes through ``torch.compile(mode="reduce-overhead")``: one CUDA
-  graph replay per token (``graph="compile"``, the default). With ``graph="capture"`` the step is
+  counts its tokens up to and including EOS). On CUDA with ``compile`` the whole step goes
+  through ``torch.compile(mode="reduce-overhead")``: one CUDA graph replay per token
+  (``graph="compile"``, the default). With ``graph="capture"`` the step is
   compiled without torch's CUDA graphs and sptool captures it itself, one
   :class:`torch.cuda.CUDAGraph` per cache and sampling variant over buffers it keeps
   (:class:`CudaGraphStep`): a token then costs the host one ``replay()``, not dynamo's guards and
