@@ -287,9 +287,10 @@ class StepDecoder:
 
             reduce_overhead = dict(mode="reduce-overhead") if self.graph == "compile" else {}
             options = compile_options or dict(**reduce_overhead, fullgraph=False, dynamic=False)
-            # one graph per (rows, cache length) bucket and sampling variant (greedy, sampled, top-p):
-            # more than dynamo's default 8 in a run with several stages
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            # one graph per (rows, cache length) bucket, sampling variant (greedy, sampled, top-p, with
+            # log-probabilities or not) and KV window: more than dynamo's default 8 in a run with several
+            # stages (past the limit a new variant runs its step eagerly)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
             self._step = torch.compile(self._forward_and_choose, **options)
         self._prefill_forward = self._prompt_forward
         self._prefill_proven = False
