@@ -136,13 +136,12 @@ class SiblingGEMM:
         self.sizes = [member.out_features for member in self.members]
         self.pending = None  # (input, every member's output, members yet to take theirs)
 
-    def output(self, index: int, x, dtype):
-        """Member ``index``'s output for input ``x``."""
-        from sptool.train.rounding import packed_linear
-
+    def output(self, index: int, x, multiply):
+        """Member ``index``'s output for input ``x``; ``multiply(x, packed, bias)`` is the split
+        rounding's packed GEMM (``sptool.train.rounding.packed_linear``, which routes the layers)."""
         pending = self.pending
         if pending is None or pending[0] is not x:
-            outputs = packed_linear(x, self.packed, self.bias, dtype).split(self.sizes, dim=-1)
+            outputs = multiply(x, self.packed, self.bias).split(self.sizes, dim=-1)
             pending = (x, outputs, len(self.members))
         left = pending[2] - 1
         self.pending = (x, pending[1], left) if left > 0 else None

@@ -203,10 +203,11 @@ def _rounded_forward(self, x):
         import torch
 
         if not torch.is_grad_enabled() and autocast_dtype(self.weight) == self.split_packed.dtype:
+            dtype = self.split_packed.dtype
             group = getattr(self, "split_group", None)
             if group is not None:  # one GEMM with the layers beside it that read the same input
-                return group[0].output(group[1], x, self.split_packed.dtype)
-            return packed_linear(x, self.split_packed, self.bias, self.split_packed.dtype)
+                return group[0].output(group[1], x, lambda x, packed, bias: packed_linear(x, packed, bias, dtype))
+            return packed_linear(x, self.split_packed, self.bias, dtype)
     return rounded_linear(x, self.weight, self.bias, self.weight_rounding)
 
 
