@@ -215,26 +215,18 @@ class PhaseClock:
         self.backend, self.prefill_s, self.decode_s, self.encode_s = backend, 0.0, 0.0, 0.0
         self.render_s = self.pack_s = 0.0
 
-    def _summed(self, function, total: str):
-        """``function`` timed without synchronising (host-only work: rendering a prompt)."""
+    def _timed(self, function, total: str, synchronise: bool = True):
+        """``function`` with its seconds added to ``total``; ``synchronise`` False for host-only work
+        (rendering a prompt: no device work to wait for, and a wait per prompt would cost time)."""
         clock = self
 
         def timed(*args, **kwargs):
+            if synchronise:
+                sync(clock.backend)
             began = time.perf_counter()
             out = function(*args, **kwargs)
-            setattr(clock, total, getattr(clock, total) + time.perf_counter() - began)
-            return out
-
-        return timed
-
-    def _timed(self, function, total: str):
-        clock = self
-
-        def timed(*args, **kwargs):
-            sync(clock.backend)
-            began = time.perf_counter()
-            out = function(*args, **kwargs)
-            sync(clock.backend)
+            if synchronise:
+                sync(clock.backend)
             setattr(clock, total, getattr(clock, total) + time.perf_counter() - began)
             return out
 
@@ -251,7 +243,7 @@ class PhaseClock:
         StepDecoder.prefill = self._timed(StepDecoder.prefill, "prefill_s")
         StepDecoder.decode = self._timed(StepDecoder.decode, "decode_s")
         HFBackend._encode = self._timed(HFBackend._encode, "encode_s")
-        HFBackend.render = self._summed(HFBackend.render, "render_s")
+        HFBackend.render = self._timed(HFBackend.render, "render_s", synchronise=False)
         packed_split_weights.__enter__ = self._timed(packed_split_weights.__enter__, "pack_s")
         return self
 

@@ -134,6 +134,8 @@ class SiblingGEMM:
     def __init__(self, members, packed, bias):
         self.members, self.packed, self.bias = list(members), packed, bias
         self.sizes = [member.out_features for member in self.members]
+        starts = [sum(self.sizes[:index]) for index in range(len(self.sizes))]
+        self.rows = [slice(start, start + size) for start, size in zip(starts, self.sizes)]  # each member's
         self.pending = None  # (input, every member's output, members yet to take theirs)
 
     def output(self, index: int, x, multiply):
@@ -202,16 +204,12 @@ class packed_split_weights:
             if bias is not None:
                 torch._dynamo.mark_static_address(bias)
             group = SiblingGEMM(members, packed, bias)
-            start = 0
-            for index, member in enumerate(members):
-                member.split_packed = packed[start:start + member.out_features]
+            for index, (member, rows) in enumerate(zip(members, group.rows)):
+                member.split_packed = packed[rows]
                 member.split_group = (group, index)
-                start += member.out_features
         if group.bias is not None:
-            start = 0
-            for member in members:
-                group.bias[start:start + member.out_features].copy_(member.bias.detach())
-                start += member.out_features
+            for member, rows in zip(members, group.rows):
+                group.bias[rows].copy_(member.bias.detach())
         return group
 
     def __enter__(self):
