@@ -285,10 +285,11 @@ def test_nested_boxes_and_slow_grading_end_within_the_deadline_plus_a_second():
 
     from sptool.stages.verify import VerifyStage, extract_final_answer
 
-    started = time.monotonic()
+    # this thread's CPU time, not the wall clock: CI's loaded cores once stretched 42 ms to 2.1 s
+    started = time.thread_time()
     assert extract_final_answer("\\boxed{" * 30000) is None  # parent side: linear, unclosed
     assert extract_final_answer(NESTED_BOXES) == "1"
-    assert time.monotonic() - started < 2.0  # linear; milliseconds on an idle machine
+    assert time.thread_time() - started < 1.0  # linear: 42 ms here; a quadratic scan takes minutes
     stage = VerifyStage(workers=1, deadline_s=2.0)
     try:
         warm = list(stage.run([{"question": "1+1?", "answer": "2", "samples": [{"text": "\\boxed{2}"}]}]))
