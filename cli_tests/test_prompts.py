@@ -216,3 +216,30 @@ def test_the_prompt_encoder_pads_a_large_batch_on_threads_exactly_as_the_tokeniz
     # the encoder pads its own copy: the shared tokenizer's padding state is untouched
     tokenizer(texts[:2], padding="max_length", max_length=300, add_special_tokens=False)
     assert torch.equal(PromptEncoder(tokenizer)(texts)[1], reference["attention_mask"])
+
+
+def test_the_text_decoder_decodes_a_large_batch_on_threads_exactly_as_the_tokenizer_does(tiny_model_dir):
+    """The hf backend's samples are decoded by TextDecoder (chunks of rows on threads): each text
+    is ``tokenizer.decode(ids, skip_special_tokens=True)``, special tokens, empty rows, split
+    multi-byte characters and all; a tokenizer that cleans up spaces after decoding is called a row
+    at a time."""
+    import random
+
+    from sptool.models.tokenizer import PARALLEL_ENCODE_MIN, TextDecoder, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    generator = random.Random(0)
+    unicode = tokenizer("Ünïcödé — ∑ 数学 \\boxed{x}", add_special_tokens=False)["input_ids"]
+    rows = [[generator.randrange(tokenizer.vocab_size) for _ in range(generator.randrange(1, 40))]
+            for _ in range(2 * PARALLEL_ENCODE_MIN + 3)]
+    rows[3], rows[7], rows[11] = [], unicode[:-1], unicode + [tokenizer.eos_token_id] + unicode
+    expected = [tokenizer.decode(ids, skip_special_tokens=True) for ids in rows]
+    assert "<|im_end|>" in tokenizer.decode(rows[11])  # a special token that decoding skips
+    for threads in (4, 1):
+        decoder = TextDecoder(tokenizer, threads=threads)
+        assert decoder.fast and len({id(copy) for copy in decoder.decoders}) == threads
+        assert decoder(rows) == expected  # on threads
+        assert decoder(rows[:3]) == expected[:3]  # one call below PARALLEL_ENCODE_MIN
+    tokenizer.clean_up_tokenization_spaces = True
+    assert not TextDecoder(tokenizer).fast
+    assert TextDecoder(tokenizer)(rows[:5]) == [tokenizer.decode(ids, skip_special_tokens=True) for ids in rows[:5]]

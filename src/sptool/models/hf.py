@@ -35,7 +35,7 @@ from sptool.models.hf_decoding import (FinishedRows, LogprobRecorder, TokenProgr
                                        packed_split_weights, regional_compile_off)
 from sptool.models.resolve import resolve_model
 from sptool.models.step_decoder import STEP_GRAPHS
-from sptool.models.tokenizer import PromptEncoder, load_tokenizer, render_prompt
+from sptool.models.tokenizer import PromptEncoder, TextDecoder, load_tokenizer, render_prompt
 from sptool.core.records import RuntimeFailure, UsageError, first_line
 
 MAX_CACHES = 4          # static caches kept between calls (least recently used dropped first)
@@ -177,6 +177,7 @@ class HFBackend:
         tokenizer.padding_side = "left"
         self.tokenizer = tokenizer
         self._prompt_encoder = None  # made at the first call
+        self._decoder_of_text = None  # likewise
         self.model = model
         self._torch = torch
         self.autocast = None  # a dtype: generate under torch.autocast in it
@@ -419,29 +420,36 @@ class HFBackend:
             del output  # it holds the cache too; the backend keeps that one
             new_tokens = sequences[:, prompt_length:].tolist()
             logprob_rows = recorder.rows(sequences[:, prompt_length:]) if recorder else None
-            for row, (prompt_index, _) in enumerate(batch):
-                results[prompt_index].append(self._sample(new_tokens[row], logprob_rows[row] if logprob_rows
-                                                          is not None else None, prefixes[prompt_index],
-                                                          params, eos_ids))
+            self._collect(results, batch, new_tokens, logprob_rows, prefixes, params, eos_ids)
         return results
 
-    def _sample(self, ids: list[int], logprobs: list[float] | None, prefix: str, params: SamplingParams,
-                eos_ids: list[int]) -> Sample:
-        """A row's generated ids as a Sample: cut after the first EOS, then at a stop string."""
-        finish = "length"
-        for position, token in enumerate(ids):
-            if token in eos_ids:
-                ids = ids[:position + 1]
-                finish = "stop"
-                break
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        stop_string = None
-        if params.stop:
-            ids, text, stop_string = self._cut_at_stop(ids, text, params.stop)
-            finish = "stop" if stop_string is not None else finish
-        logprobs = logprobs[:len(ids)] if logprobs is not None else None
-        return Sample(text=prefix + text, n_tokens=len(ids), finish_reason=finish, logprobs=logprobs,
-                      token_ids=ids, stop_string=stop_string)
+    def _collect(self, results: list[list[Sample]], batch: list[tuple[int, str]], ids: list[list[int]],
+                 logprobs: list[list[float]] | None, prefixes: list[str], params: SamplingParams,
+                 eos_ids: list[int]) -> None:
+        """Each row of a batch's generated ids as a Sample of its prompt in ``results``: cut after
+        the first EOS, its text decoded with the batch's (:class:`TextDecoder`: a few threads), then
+        cut at a stop string."""
+        eos = set(eos_ids)
+        cut, finishes = [], []
+        for row in ids[:len(batch)]:
+            end = next((position + 1 for position, token in enumerate(row) if token in eos), None)
+            cut.append(row if end is None else row[:end])
+            finishes.append("length" if end is None else "stop")
+        texts = self._text_decoder()(cut)
+        for row, (prompt_index, _) in enumerate(batch):
+            row_ids, text, finish, stop_string = cut[row], texts[row], finishes[row], None
+            if params.stop:
+                row_ids, text, stop_string = self._cut_at_stop(row_ids, text, params.stop)
+                finish = "stop" if stop_string is not None else finish
+            row_logprobs = logprobs[row][:len(row_ids)] if logprobs is not None else None
+            results[prompt_index].append(Sample(text=prefixes[prompt_index] + text, n_tokens=len(row_ids),
+                                                finish_reason=finish, logprobs=row_logprobs, token_ids=row_ids,
+                                                stop_string=stop_string))
+
+    def _text_decoder(self) -> TextDecoder:
+        if self._decoder_of_text is None or self._decoder_of_text.tokenizer is not self.tokenizer:
+            self._decoder_of_text = TextDecoder(self.tokenizer)
+        return self._decoder_of_text
 
     def _generate_step(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
         """``generate`` through the step decoder (:mod:`sptool.models.step_decoder`): the same
@@ -461,7 +469,7 @@ class HFBackend:
         stop_check = None
         if params.stop:
             def stop_check(columns, rows):
-                decoded = self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+                decoded = self._text_decoder()(rows)
                 return [index for index, text in enumerate(decoded) if cut_at_stop(text, params.stop)[1]]
         for batch_index in range(0, len(jobs), self.batch_size):
             batch = jobs[batch_index:batch_index + self.batch_size]
@@ -511,10 +519,7 @@ class HFBackend:
             if fresh:
                 self._report_cache(rows, length)
             self.decode_steps += decoded.steps
-            for row, (prompt_index, _) in enumerate(batch):
-                results[prompt_index].append(self._sample(decoded.ids[row], decoded.logprobs[row] if decoded.logprobs
-                                                          is not None else None, prefixes[prompt_index],
-                                                          params, eos_ids))
+            self._collect(results, batch, decoded.ids, decoded.logprobs, prefixes, params, eos_ids)
         return results
 
     def _encode(self, texts: list[str]) -> dict:

@@ -237,9 +237,11 @@ class packed_split_weights:
                     torch._dynamo.mark_static_address(packed)
                 if id(module) not in grouped:
                     module.split_group = None
-                hi = weight.to(self.dtype)
-                packed[:, :in_features].copy_(hi)
-                packed[:, in_features:].copy_(weight - hi.float())
+                # two kernels a layer: hi rounded to nearest, then lo = w - hi, computed in float32
+                # (the common dtype of the operands) and rounded once into its half
+                hi = packed[:, :in_features]
+                hi.copy_(weight)
+                torch.sub(weight, hi, out=packed[:, in_features:])
                 module.split_packed_on = True
                 self.layers.append(module)
         return self

@@ -30,8 +30,36 @@ def render_prompt(tokenizer, prompt: Prompt, chat_template: bool = True) -> str:
     return "\n\n".join(message["content"] for message in messages) + "\n\n" + prefix
 
 
-#: below this many texts a batch is encoded in one call (threads cost more than they save)
+#: below this many texts (or rows of ids) a batch is encoded (decoded) in one call: threads cost
+#: more than they save
 PARALLEL_ENCODE_MIN = 64
+
+
+def _rust_copies(backend, threads: int | None) -> list:
+    """One copy of a fast tokenizer's Rust ``backend`` per thread (at most 8, one per core), with no
+    padding or truncation: threads that share one copy contend for its word cache's lock."""
+    import copy
+    import os
+
+    threads = threads or max(1, min(8, os.cpu_count() or 1))
+    first = copy.deepcopy(backend)
+    first.no_padding()
+    first.no_truncation()
+    return [first] + [copy.deepcopy(first) for _ in range(threads - 1)]
+
+
+def _on_threads(function, copies: list, items: list, name: str) -> list:
+    """``function(copy, chunk)`` over ``items`` cut into one chunk per copy, each chunk on a thread
+    of its own (the Rust calls drop the GIL), the results joined in order; one call for a small
+    batch."""
+    if len(items) < PARALLEL_ENCODE_MIN or len(copies) == 1:
+        return list(function(copies[0], items))
+    from concurrent.futures import ThreadPoolExecutor
+
+    size = -(-len(items) // len(copies))
+    chunks = [items[start:start + size] for start in range(0, len(items), size)]
+    with ThreadPoolExecutor(len(chunks), thread_name_prefix=name) as pool:
+        return [result for chunk in pool.map(function, copies, chunks) for result in chunk]
 
 
 class PromptEncoder:
@@ -50,18 +78,11 @@ class PromptEncoder:
     called as before."""
 
     def __init__(self, tokenizer, threads: int | None = None):
-        import copy
-        import os
-
         self.tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.fast = backend is not None and tokenizer.padding_side == "left" and tokenizer.pad_token_id is not None
-        self.threads = threads or max(1, min(8, os.cpu_count() or 1))
         if self.fast:
-            encoder = copy.deepcopy(backend)
-            encoder.no_padding()
-            encoder.no_truncation()
-            self.encoders = [encoder] + [copy.deepcopy(encoder) for _ in range(self.threads - 1)]
+            self.encoders = _rust_copies(backend, threads)
 
     @staticmethod
     def _encode_batch(encoder, texts: list[str]):
@@ -74,15 +95,7 @@ class PromptEncoder:
         if not self.fast:
             encoded = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             return encoded["input_ids"], encoded["attention_mask"]
-        if len(texts) < PARALLEL_ENCODE_MIN or self.threads == 1:
-            encodings = self._encode_batch(self.encoders[0], texts)
-        else:
-            from concurrent.futures import ThreadPoolExecutor
-
-            size = -(-len(texts) // self.threads)
-            chunks = [texts[start:start + size] for start in range(0, len(texts), size)]
-            with ThreadPoolExecutor(len(chunks), thread_name_prefix="sptool-encode") as pool:
-                encodings = [e for chunk in pool.map(self._encode_batch, self.encoders, chunks) for e in chunk]
+        encodings = _on_threads(self._encode_batch, self.encoders, texts, "sptool-encode")
         rows = [encoding.ids for encoding in encodings]
         width = max(map(len, rows), default=0)
         pad = [self.tokenizer.pad_token_id] * width
@@ -90,3 +103,29 @@ class PromptEncoder:
         input_ids = torch.tensor([pad[:width - len(ids)] + ids for ids in rows], dtype=torch.long)
         attention_mask = torch.tensor([zeros[:width - len(ids)] + ones[:len(ids)] for ids in rows], dtype=torch.long)
         return input_ids.reshape(len(texts), width), attention_mask.reshape(len(texts), width)
+
+
+class TextDecoder:
+    """The texts of many rows of token ids, each equal to ``tokenizer.decode(ids,
+    skip_special_tokens=True)``, at a fraction of its cost for a large batch: a fast tokenizer's
+    Rust ``decode_batch`` on a few threads, each with its own copy (as :class:`PromptEncoder`).
+    512 rows of 64 tokens took 15 ms a row at a time on one core, 11 ms in one Rust call. A slow
+    tokenizer, or one that cleans up tokenization spaces after decoding, is called a row at a
+    time as before."""
+
+    def __init__(self, tokenizer, threads: int | None = None):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.fast = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        if self.fast:
+            self.decoders = _rust_copies(backend, threads)
+
+    @staticmethod
+    def _decode_batch(decoder, rows: list[list[int]]) -> list[str]:
+        return decoder.decode_batch(rows, skip_special_tokens=True)
+
+    def __call__(self, rows: list[list[int]]) -> list[str]:
+        if not self.fast:
+            return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in rows]
+        return _on_threads(self._decode_batch, self.decoders, [list(ids) for ids in rows], "sptool-decode")
+
