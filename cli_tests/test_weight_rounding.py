@@ -226,6 +226,26 @@ def test_weight_rounding_is_checked_before_any_work():
         TrainConfig(weight_rounding="stochastic", mixed_precision="fp16")
 
 
+def packing_kernels(model) -> list[str]:
+    """The operators (views aside) that entering ``packed_split_weights`` runs: at 512 rows the
+    packing of every layer's parts is bound by its kernel count (16 ms a call on an H100 at five a
+    layer)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sptool.models.hf_decoding import packed_split_weights
+
+    ops = []
+
+    class Operators(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode(), Operators(), packed_split_weights(model, torch.bfloat16):
+        pass
+    return [op for op in ops if op not in ("aten.detach.default", "aten.slice.Tensor")]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_samplers_packed_split_parts_give_the_split_sum_in_one_gemm_and_follow_each_update(device):
     """``packed_split_weights`` (the step decoder's sampler call): a split-rounded layer multiplies
@@ -270,6 +290,9 @@ def test_a_samplers_packed_split_parts_give_the_split_sum_in_one_gemm_and_follow
         torch.testing.assert_close(before, split_sum(), rtol=0, atol=2 ** -7 * float(before.abs().max()))
         assert float((before == split_sum()).float().mean()) > 0.99  # summation order aside, the same numbers
         kept = layer.split_packed
+        hi = layer.weight.detach().to(torch.bfloat16)
+        assert torch.equal(kept, torch.cat([hi, (layer.weight.detach() - hi.float()).to(torch.bfloat16)], dim=1))
+        assert packing_kernels(model) == ["aten.copy_.default", "aten.sub.out"]  # two a layer, made again on entry
         with torch.no_grad():
             layer.weight.add_(1e-5 * torch.sign(torch.randn(32, 64, generator=generator)).to(device))  # an optimizer step
         after = packed()

@@ -207,9 +207,8 @@ class packed_split_weights:
             for index, (member, rows) in enumerate(zip(members, group.rows)):
                 member.split_packed = packed[rows]
                 member.split_group = (group, index)
-        if group.bias is not None:
-            for member, rows in zip(members, group.rows):
-                group.bias[rows].copy_(member.bias.detach())
+        if group.bias is not None:  # one kernel for the set's biases
+            torch.cat([member.bias.detach() for member in members], out=group.bias)
         return group
 
     def __enter__(self):
