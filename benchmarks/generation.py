@@ -281,7 +281,10 @@ def sync(backend) -> None:
 def bare_replay(backend, calls, model=None, fit: dict | None = None, log=None) -> tuple[float, int, int]:
     """The recorded calls through bare eager ``model.generate`` (dynamic cache, no compile), in
     the backend's batches: (seconds, decoding steps, generated tokens). ``model``: another model
-    over the same tokenizer (:func:`bare_copy`), else the backend's.
+    over the same tokenizer (:func:`bare_copy`), else the backend's. Timed as sptool's call is, from
+    prompts to texts: the chat template, tokenising, ``generate`` and ``batch_decode`` of the new
+    tokens (the runs in ``benchmarks/results`` up to 2026-12-06 left the template and the decoding
+    out of the bare arm's time).
 
     A batch whose ``generate`` runs out of device memory is generated in halves (and so on), as a
     user would; ``fit`` (shared by a warm-up and its timed replay) keeps the rows that fit, and only
@@ -305,7 +308,9 @@ def bare_replay(backend, calls, model=None, fit: dict | None = None, log=None) -
     seconds = steps = tokens = 0
     for call in calls:
         params = call["params"]
+        began = time.perf_counter()  # the chat template is the bare arm's work too (sptool's call renders)
         texts = [backend.render(prompt) for prompt in call["prompts"] for _ in range(call["n"])]
+        seconds += time.perf_counter() - began
         options = dict(max_new_tokens=params.max_new_tokens, do_sample=params.temperature > 0,
                        pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
                        return_dict_in_generate=True, disable_compile=True)
@@ -330,6 +335,7 @@ def bare_replay(backend, calls, model=None, fit: dict | None = None, log=None) -
                     with torch.inference_mode(), regional_compile_off(model):
                         output = model.generate(**encoded, **options)
                     new = output.sequences[:, encoded["input_ids"].shape[1]:]
+                    tokenizer.batch_decode(new, skip_special_tokens=True)  # texts out, as sptool's call
                     sync(backend)
                 except torch.OutOfMemoryError:
                     if rows == 1:

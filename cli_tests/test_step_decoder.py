@@ -352,17 +352,21 @@ def test_a_step_that_cannot_be_captured_falls_back_to_torch_compiles_graphs_with
 
 
 @pytest.mark.slow
-def test_a_bf16_split_sampler_step_decodes_as_generate_and_compiles_to_one_graph():
+def test_a_bf16_split_sampler_step_decodes_as_generate_and_compiles_to_one_graph(monkeypatch):
     """A bf16 sampler (bf16 autocast over split-rounded linears: ``--sampler bf16-split``, a run with
     ``train.weight_rounding = split``). A Llama layer's keys leave the rotary embedding in float32
     and its values leave ``v_proj`` in bf16; the static cache took one dtype and ``index_copy_``
     failed, so eager step decoding fell back to generate (and eager generate over a static cache
     failed). The cache layers cast what they store: greedy tokens equal generate's under the same
     autocast, with the model's attention and with grouped, and over generate's static cache; the
-    compiled step with grouped attention (``aot_eager``) is one graph."""
+    compiled step with grouped attention (``aot_eager``) is one graph. A call of several batches
+    packs the weights once, the first batch's prompts tokenised on another thread meanwhile."""
+    import threading
+
     import torch
     from torch._dynamo.utils import counters
 
+    from sptool.models import hf_decoding
     from sptool.models.base import SamplingParams
     from sptool.models.hf import HFBackend
     from sptool.models.step_decoder import StepDecoder, casting_static_layer
@@ -396,6 +400,16 @@ def test_a_bf16_split_sampler_step_decodes_as_generate_and_compiles_to_one_graph
         assert tokens_of(step.generate(PROMPTS, 1, params)) == want
         assert counters["stats"]["unique_graphs"] - graphs == 1
         assert sum(counters["graph_break"].values()) == breaks
+        packings, encoders = [], []
+        enter, encode = hf_decoding.packed_split_weights.__enter__, HFBackend._encode
+        monkeypatch.setattr(hf_decoding.packed_split_weights, "__enter__",
+                            lambda self: packings.append(1) or enter(self))
+        monkeypatch.setattr(HFBackend, "_encode",
+                            lambda self, texts: encoders.append(threading.current_thread().name) or encode(self, texts))
+        step._step_decoder, step.batch_size = None, 2  # eager again
+        assert tokens_of(step.generate(PROMPTS, 1, params)) == want  # two batches
+        assert packings == [1] and len(encoders) == 2
+        assert encoders[0].startswith("sptool-prompts") and encoders[1] == threading.current_thread().name
     finally:
         eager.close()
 

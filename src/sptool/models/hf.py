@@ -454,7 +454,9 @@ class HFBackend:
     def _generate_step(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
         """``generate`` through the step decoder (:mod:`sptool.models.step_decoder`): the same
         batches, samples and contract; each distinct prompt of a batch prefilled once."""
-        from sptool.models.step_decoder import StepDecoder, row_map_of, unsupported
+        from concurrent.futures import ThreadPoolExecutor
+
+        from sptool.models.step_decoder import row_map_of
 
         torch = self._torch
         self.model.eval()
@@ -471,56 +473,77 @@ class HFBackend:
             def stop_check(columns, rows):
                 decoded = self._text_decoder()(rows)
                 return [index for index, text in enumerate(decoded) if cut_at_stop(text, params.stop)[1]]
+        batches = []  # (first job, jobs, rows, distinct prompts, row map)
         for batch_index in range(0, len(jobs), self.batch_size):
             batch = jobs[batch_index:batch_index + self.batch_size]
-            left = params.seconds_left()
-            if left is not None and left <= 0:
-                break  # past the deadline: the caller sees missing samples and drops the batch
             # rows bucketed when compiled (few CUDA graphs); the padding rows finish at once
             rows = bucket_rows(len(batch), self.batch_size) if self.compile else len(batch)
-            distinct, row_map = row_map_of([text for _, text in batch], rows, self.share_prefill)
-            encoded = self._encode(distinct)
-            prompt_length = encoded["input_ids"].shape[1]
-            length = bucket_length(prompt_length + params.max_new_tokens)
-            with torch.inference_mode():
-                cache, fresh = self._static_cache(rows, length)
-            if self._step_decoder is None:
-                why = unsupported(self.model, cache) or (f"generate_options {sorted(self.generate_options)}"
-                                                         if self.generate_options else None)
-                if why is not None:
-                    self._give_up_step(why)
-                    return self._generate(prompts, n, params)
-                self._step_decoder = StepDecoder(self.model, compile=self.compile, graph=self.step_graph,
-                                                 log=self.log)
-            if self.compile and (rows, length) not in self.shapes_seen and self.log is not None:
-                self.log(f"hf: new decoding shape {rows} rows x {length} positions: compiling or "
-                         f"recording the step decoder's CUDA graph (the first compile takes a while)")
-            self.shapes_seen.add((rows, length))
-            torch.manual_seed(params.seed * 1_000_003 + batch_index)
-            with torch.inference_mode(), regional_compile_off(self.model), self._autocast(), \
-                    packed_split_weights(self.model, self.autocast):
-                try:
-                    decoded = self._step_decoder.decode(
-                        cache, encoded["input_ids"], encoded["attention_mask"],
-                        torch.tensor(row_map, dtype=torch.long, device=self.device), real_rows=len(batch),
-                        max_new_tokens=params.max_new_tokens, temperature=params.temperature,
-                        top_p=params.top_p, eos_ids=eos_ids, pad_id=pad_id, logprobs=params.logprobs,
-                        stop_check=stop_check, listener=listener, seconds_left=params.seconds_left)
-                except Exception as exc:  # noqa: BLE001 - only a first step-decoded call falls back
-                    if self._step_proven or isinstance(exc, torch.cuda.OutOfMemoryError):
-                        raise
-                    first = first_line(exc)
-                    if self._step_decoder.graph == "capture":
-                        self._give_up_capture(f"{type(exc).__name__}: {first}")
-                        return self._generate_step(prompts, n, params)
-                    self._give_up_step(f"its first call failed: {type(exc).__name__}: {first}")
-                    return self._generate(prompts, n, params)
-            self._step_proven = True
-            if fresh:
-                self._report_cache(rows, length)
-            self.decode_steps += decoded.steps
-            self._collect(results, batch, decoded.ids, decoded.logprobs, prefixes, params, eos_ids)
-        return results
+            batches.append((batch_index, batch, rows, *row_map_of([text for _, text in batch], rows,
+                                                                   self.share_prefill)))
+        # the split sampler's weights are packed once a call, while the first batch's prompts are
+        # tokenised on other threads (the Rust encoder and torch's kernel launches free the GIL)
+        again = False  # the step decoder (or its captured graph) was given up: the call starts again
+        with ThreadPoolExecutor(1, thread_name_prefix="sptool-prompts") as prompts_pool, \
+                torch.inference_mode(), regional_compile_off(self.model), self._autocast():
+            first = prompts_pool.submit(self._encode, batches[0][3]) if batches else None
+            with packed_split_weights(self.model, self.autocast):
+                for batch_index, batch, rows, distinct, row_map in batches:
+                    encoded = first.result() if batch_index == 0 else self._encode(distinct)
+                    left = params.seconds_left()
+                    if left is not None and left <= 0:
+                        break  # past the deadline: the caller sees missing samples and drops the batch
+                    decoded = self._decode_batch(batch_index, batch, rows, encoded, row_map, params, eos_ids,
+                                                 pad_id, stop_check, listener)
+                    if decoded is None:
+                        again = True
+                        break
+                    self._collect(results, batch, decoded.ids, decoded.logprobs, prefixes, params, eos_ids)
+        return self._generate(prompts, n, params) if again else results
+
+    def _decode_batch(self, batch_index, batch, rows, encoded, row_map, params, eos_ids, pad_id, stop_check,
+                      listener):
+        """One batch through the step decoder, inside the sampler's contexts: its ``Decoded``, or None
+        when this call gave up the step decoder (or its captured graph) and must start again."""
+        from sptool.models.step_decoder import StepDecoder, unsupported
+
+        torch = self._torch
+        prompt_length = encoded["input_ids"].shape[1]
+        length = bucket_length(prompt_length + params.max_new_tokens)
+        cache, fresh = self._static_cache(rows, length)
+        if self._step_decoder is None:
+            why = unsupported(self.model, cache) or (f"generate_options {sorted(self.generate_options)}"
+                                                     if self.generate_options else None)
+            if why is not None:
+                self._give_up_step(why)
+                return None
+            self._step_decoder = StepDecoder(self.model, compile=self.compile, graph=self.step_graph,
+                                             log=self.log)
+        if self.compile and (rows, length) not in self.shapes_seen and self.log is not None:
+            self.log(f"hf: new decoding shape {rows} rows x {length} positions: compiling or "
+                     f"recording the step decoder's CUDA graph (the first compile takes a while)")
+        self.shapes_seen.add((rows, length))
+        torch.manual_seed(params.seed * 1_000_003 + batch_index)
+        try:
+            decoded = self._step_decoder.decode(
+                cache, encoded["input_ids"], encoded["attention_mask"],
+                torch.tensor(row_map, dtype=torch.long, device=self.device), real_rows=len(batch),
+                max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+                top_p=params.top_p, eos_ids=eos_ids, pad_id=pad_id, logprobs=params.logprobs,
+                stop_check=stop_check, listener=listener, seconds_left=params.seconds_left)
+        except Exception as exc:  # noqa: BLE001 - only a first step-decoded call falls back
+            if self._step_proven or isinstance(exc, torch.cuda.OutOfMemoryError):
+                raise
+            why = f"{type(exc).__name__}: {first_line(exc)}"
+            if self._step_decoder.graph == "capture":
+                self._give_up_capture(why)
+            else:
+                self._give_up_step(f"its first call failed: {why}")
+            return None
+        self._step_proven = True
+        if fresh:
+            self._report_cache(rows, length)
+        self.decode_steps += decoded.steps
+        return decoded
 
     def _encode(self, texts: list[str]) -> dict:
         """The rendered prompts' left-padded ``input_ids`` and ``attention_mask`` on the device
