@@ -238,12 +238,12 @@ class PhaseClock:
         from sptool.models.hf import HFBackend
         from sptool.models.hf_decoding import packed_split_weights
 
-        self.saved = (StepDecoder.prefill, StepDecoder.decode, HFBackend._encode, HFBackend.render,
+        self.saved = (StepDecoder.prefill, StepDecoder.decode, HFBackend._encode, HFBackend.render_all,
                       packed_split_weights.__enter__)
         StepDecoder.prefill = self._timed(StepDecoder.prefill, "prefill_s")
         StepDecoder.decode = self._timed(StepDecoder.decode, "decode_s")
         HFBackend._encode = self._timed(HFBackend._encode, "encode_s")
-        HFBackend.render = self._timed(HFBackend.render, "render_s", synchronise=False)
+        HFBackend.render_all = self._timed(HFBackend.render_all, "render_s", synchronise=False)
         packed_split_weights.__enter__ = self._timed(packed_split_weights.__enter__, "pack_s")
         return self
 
@@ -252,13 +252,13 @@ class PhaseClock:
         from sptool.models.hf_decoding import packed_split_weights
         from sptool.models.step_decoder import StepDecoder
 
-        (StepDecoder.prefill, StepDecoder.decode, HFBackend._encode, HFBackend.render,
+        (StepDecoder.prefill, StepDecoder.decode, HFBackend._encode, HFBackend.render_all,
          packed_split_weights.__enter__) = self.saved
         return False
 
     def split(self, seconds: float, calls: int) -> dict:
         """Milliseconds a call: prefill, token loop (decode less prefill), host (the rest), and of
-        the host's, rendering the prompts (``HFBackend.render``: the chat template), encoding them
+        the host's, rendering the prompts (``HFBackend.render_all``: the chat template), encoding them
         (``HFBackend._encode``: tokenising and the copy to the device) and packing the sampler's
         weights (``packed_split_weights``: the bf16-split sampler's ``[hi | lo]`` copies)."""
         if not self.decode_s:
@@ -309,7 +309,7 @@ def bare_replay(backend, calls, model=None, fit: dict | None = None, log=None) -
     for call in calls:
         params = call["params"]
         began = time.perf_counter()  # the chat template is the bare arm's work too (sptool's call renders)
-        texts = [backend.render(prompt) for prompt in call["prompts"] for _ in range(call["n"])]
+        texts = [text for text in backend.render_all(call["prompts"]) for _ in range(call["n"])]
         seconds += time.perf_counter() - began
         options = dict(max_new_tokens=params.max_new_tokens, do_sample=params.temperature > 0,
                        pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,

@@ -243,3 +243,29 @@ def test_the_text_decoder_decodes_a_large_batch_on_threads_exactly_as_the_tokeni
     tokenizer.clean_up_tokenization_spaces = True
     assert not TextDecoder(tokenizer).fast
     assert TextDecoder(tokenizer)(rows[:5]) == [tokenizer.decode(ids, skip_special_tokens=True) for ids in rows[:5]]
+
+
+def test_rendering_many_prompts_at_once_gives_each_prompts_own_text(tiny_model_dir):
+    """The hf backend renders a call's prompts with render_prompts (the chat-templated ones in one
+    template call): each text is render_prompt's, for chat prompts, response prefixes, system
+    messages, empty content and plain strings mixed in one batch, and without a chat template."""
+    from sptool.models.tokenizer import load_tokenizer, render_prompt, render_prompts
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prompts = [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(5)]
+    prompts += ["a plain text prompt", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ""}],
+                [{"role": "user", "content": "Sum 2 and 3."}, {"role": "assistant", "content": "\\boxed{"}],
+                [{"role": "user", "content": "Ünïcödé ∑"}]]
+    calls = []
+    template = tokenizer.apply_chat_template
+    tokenizer.apply_chat_template = lambda *args, **kwargs: calls.append(args) or template(*args, **kwargs)
+    for chat_template in (True, False):
+        calls.clear()
+        texts = render_prompts(tokenizer, prompts, chat_template)
+        tokenizer.apply_chat_template = template
+        assert texts == [render_prompt(tokenizer, prompt, chat_template) for prompt in prompts]
+        tokenizer.apply_chat_template = lambda *args, **kwargs: calls.append(args) or template(*args, **kwargs)
+        assert len(calls) == (1 if chat_template else 0)  # one call for the 8 chat prompts
+    assert texts[7].endswith("\\boxed{") and "<|im_start|>" not in texts[0]  # no template: plain text
+    templated = render_prompts(tokenizer, prompts)
+    assert templated[0].startswith("<|im_start|>") and templated[7].endswith("<|im_start|>assistant\n\\boxed{")

@@ -35,7 +35,7 @@ from sptool.models.hf_decoding import (FinishedRows, LogprobRecorder, TokenProgr
                                        packed_split_weights, regional_compile_off)
 from sptool.models.resolve import resolve_model
 from sptool.models.step_decoder import STEP_GRAPHS
-from sptool.models.tokenizer import PromptEncoder, TextDecoder, load_tokenizer, render_prompt
+from sptool.models.tokenizer import PromptEncoder, TextDecoder, load_tokenizer, render_prompt, render_prompts
 from sptool.core.records import RuntimeFailure, UsageError, first_line
 
 MAX_CACHES = 4          # static caches kept between calls (least recently used dropped first)
@@ -321,6 +321,10 @@ class HFBackend:
     def render(self, prompt: Prompt) -> str:
         return render_prompt(self.tokenizer, prompt, self.chat_template)
 
+    def render_all(self, prompts: list[Prompt]) -> list[str]:
+        """:meth:`render` of each prompt, the chat-templated ones in one template call."""
+        return render_prompts(self.tokenizer, prompts, self.chat_template)
+
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams) -> list[list[Sample]]:
         if self.decode_attention == "model":
             return self._generate(prompts, n, params)
@@ -334,7 +338,7 @@ class HFBackend:
             return self._generate_step(prompts, n, params)
         torch = self._torch
         self.model.eval()  # a shared trainer's model may be left in train mode (dropout)
-        texts = [self.render(p) for p in prompts]
+        texts = self.render_all(prompts)
         prefixes = [split_response_prefix(p)[1] for p in prompts]
         jobs = [(index, text) for index, text in enumerate(texts) for _ in range(n)]
         results: list[list[Sample]] = [[] for _ in prompts]
@@ -460,7 +464,7 @@ class HFBackend:
 
         torch = self._torch
         self.model.eval()
-        texts = [self.render(p) for p in prompts]
+        texts = self.render_all(prompts)
         prefixes = [split_response_prefix(p)[1] for p in prompts]
         jobs = [(index, text) for index, text in enumerate(texts) for _ in range(n)]
         results: list[list[Sample]] = [[] for _ in prompts]
