@@ -496,7 +496,7 @@ class HFBackend:
                     left = params.seconds_left()
                     if left is not None and left <= 0:
                         break  # past the deadline: the caller sees missing samples and drops the batch
-                    decoded = self._decode_batch(batch_index, batch, rows, encoded, row_map, params, eos_ids,
+                    decoded = self._step_decode(batch_index, batch, rows, encoded, row_map, params, eos_ids,
                                                  pad_id, stop_check, listener)
                     if decoded is None:
                         again = True
@@ -504,8 +504,8 @@ class HFBackend:
                     self._collect(results, batch, decoded.ids, decoded.logprobs, prefixes, params, eos_ids)
         return self._generate(prompts, n, params) if again else results
 
-    def _decode_batch(self, batch_index, batch, rows, encoded, row_map, params, eos_ids, pad_id, stop_check,
-                      listener):
+    def _step_decode(self, batch_index, batch, rows, encoded, row_map, params, eos_ids, pad_id, stop_check,
+                     listener):
         """One batch through the step decoder, inside the sampler's contexts: its ``Decoded``, or None
         when this call gave up the step decoder (or its captured graph) and must start again."""
         from sptool.models.step_decoder import StepDecoder, unsupported

@@ -144,4 +144,3 @@ class TextDecoder:
         if not self.fast:
             return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in rows]
         return _on_threads(self._decode_batch, self.decoders, [list(ids) for ids in rows], "sptool-decode")
-
