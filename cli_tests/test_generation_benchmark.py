@@ -76,6 +76,19 @@ def test_the_bare_arm_runs_the_trainers_compiled_layers_eagerly(tiny_model_dir):
         seconds, steps, tokens = generation.bare_replay(backend, calls)
         assert steps == 3 and 2 <= tokens <= 6 and seconds > 0
         assert counter.frame_count == 0  # no layer went through dynamo
+        # timed from prompts to texts, as sptool's call: on a clock that only the chat template (1 s)
+        # and the decoding (2 s) move, the replay takes 3 s
+        import types
+
+        clock = [0.0]
+        render, decode, timer = backend.render_all, backend.tokenizer.batch_decode, generation.time
+        backend.render_all = lambda prompts: clock.__setitem__(0, clock[0] + 1) or render(prompts)
+        backend.tokenizer.batch_decode = lambda *a, **k: clock.__setitem__(0, clock[0] + 2) or decode(*a, **k)
+        generation.time = types.SimpleNamespace(perf_counter=lambda: clock[0])
+        try:
+            assert generation.bare_replay(backend, calls)[0] == 3.0
+        finally:
+            backend.render_all, backend.tokenizer.batch_decode, generation.time = render, decode, timer
         assert [layer._compiled_call_impl for layer in layers] == compiled  # training keeps its compile
         with torch.inference_mode():  # and the layers are still compiled outside the replay
             layers[0](torch.zeros(1, 2, backend.model.config.hidden_size),
@@ -99,7 +112,7 @@ def test_the_phase_clock_splits_a_step_decoded_call_into_prefill_token_loop_and_
     from sptool.models.step_decoder import StepDecoder
 
     backend = HFBackend("tiny", device="cpu", batch_size=4, decoder="step")
-    patched = (StepDecoder.prefill, StepDecoder.decode, HFBackend._encode, HFBackend.render,
+    patched = (StepDecoder.prefill, StepDecoder.decode, HFBackend._encode, HFBackend.render_all,
                packed_split_weights.__enter__)
     try:
         params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=1)
@@ -107,7 +120,7 @@ def test_the_phase_clock_splits_a_step_decoded_call_into_prefill_token_loop_and_
             began = time.perf_counter()
             backend.generate(["What is 2 + 3?", "Name a colour."], 2, params)
             seconds = time.perf_counter() - began
-        assert (StepDecoder.prefill, StepDecoder.decode, HFBackend._encode, HFBackend.render,
+        assert (StepDecoder.prefill, StepDecoder.decode, HFBackend._encode, HFBackend.render_all,
                 packed_split_weights.__enter__) == patched
         split = phases.split(seconds, calls=1)
         assert split["prefill_ms"] > 0 and split["loop_ms"] > 0 and split["host_ms"] >= 0
