@@ -110,3 +110,24 @@ def test_posterior_update_refuses_a_tree_whose_applied_holds_lists(cli, tmp_path
     (tmp_path / "t.json").write_text(json.dumps(tree))
     error = one_line(cli(["posterior", "update", "--tree", tmp_path / "t.json"], input=""))
     assert "field 'applied': expected a list of strings (observation keys), item 0 is a list of 1" in error, error
+
+
+def test_a_samples_record_keeps_its_fields_in_order_drops_the_empty_ones_and_copies_its_lists():
+    """``Sample.to_record`` (built by hand, not by ``dataclasses.asdict``): every combination of
+    log-probs, token ids and stop string gives the dataclass's fields in order without the None
+    ones, token ids only beside log-probs, and lists that are copies."""
+    import dataclasses
+    import itertools
+
+    from sptool.models.base import Sample
+
+    for logprobs, token_ids, stop in itertools.product([None, [-0.5, -1.25]], [None, [7, 9]], [None, "}"]):
+        sample = Sample(text="\\boxed{3}", n_tokens=2, finish_reason="length", logprobs=logprobs,
+                        token_ids=token_ids, stop_string=stop)
+        record = sample.to_record()
+        expected = {key: value for key, value in dataclasses.asdict(sample).items() if value is not None
+                    and not (key == "token_ids" and logprobs is None)}
+        assert list(record.items()) == list(expected.items())
+        if logprobs is not None:
+            record["logprobs"].append(0.0)
+            assert sample.logprobs == logprobs and len(logprobs) == 2  # a copy

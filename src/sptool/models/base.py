@@ -17,7 +17,7 @@ Two things shape a reply, and every backend applies them the same way:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Union
 
 from sptool.core.records import UsageError
@@ -77,12 +77,16 @@ class Sample:
     stop_string: str | None = None  # the stop string that ended it (None: EOS or length)
 
     def to_record(self) -> dict[str, Any]:
-        record = asdict(self)
-        if record["logprobs"] is None or record["token_ids"] is None:
-            record.pop("token_ids")  # kept beside sampling log-probs: a training group's own tokens
-        for key in ("logprobs", "stop_string"):
-            if record[key] is None:
-                record.pop(key)
+        """The sample's record fields, in the dataclass's order, without the ``None`` ones; the
+        lists copied. Built by hand: ``dataclasses.asdict`` deep-copies element by element (512
+        samples with 64 log-probabilities: 71 ms against a few)."""
+        record: dict[str, Any] = {"text": self.text, "n_tokens": self.n_tokens, "finish_reason": self.finish_reason}
+        if self.logprobs is not None:
+            record["logprobs"] = list(self.logprobs)
+            if self.token_ids is not None:  # kept beside sampling log-probs: a training group's own tokens
+                record["token_ids"] = list(self.token_ids)
+        if self.stop_string is not None:
+            record["stop_string"] = self.stop_string
         return record
 
 
