@@ -50,6 +50,24 @@ DEFAULT_MIXED_PRECISION = "bf16"
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
 
 
+def release_freed_host_memory() -> bool:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; False where there
+    is none). A CPU update's activations below glibc's mmap threshold come from the heap and stay
+    in the process once freed: a tiny R-Quest run held 7.1 GB between its updates (5.8 GB with the
+    trim after each), beside other runs on the same machine."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    trim(0)
+    return True
+
+
 def resolve_mixed_precision(requested: str | None, *, cuda: bool) -> str:
     """The autocast precision of the trainer's forwards: ``requested`` ("no", "bf16", "fp16"; None
     or "auto": :data:`DEFAULT_MIXED_PRECISION` on CUDA, "no" elsewhere)."""
@@ -425,6 +443,8 @@ class PolicyTrainer(PolicyModel):
             totals = accelerator.reduce(totals, reduction="sum")
             maxima = accelerator.gather(maxima).reshape(world, -1).amax(0)
         self.step += 1
+        if self.device.type == "cpu":
+            release_freed_host_memory()
         seconds = time.perf_counter() - start
         sums = dict(zip(SUMS, totals.tolist()))
         sums.update(zip(MAXIMA, maxima.tolist()))
