@@ -78,6 +78,50 @@ def test_plain_numbers_compare_by_value_as_math_verify_does(monkeypatch):
         assert fast[a, b] == bool(verify(verifying.parse_answer(a), verifying.parse_answer(b))), (a, b)
 
 
+def test_parses_that_are_rational_numbers_compare_as_math_verify_does(monkeypatch):
+    """Two answers whose math-verify parses are each one rational number (a completion's extracted
+    "105", a boxed "\\frac{1}{2}", "0.5", "1,000", "-3") get math-verify's verdict without its
+    ``verify``: every pair below, against ``verify`` itself; floats, percentages, powers and
+    equations still go to ``verify``."""
+    from math_verify import verify
+
+    from sptool.stages import verify as verifying
+
+    texts = ["The answer is 85.", "25 + 60 = 85", "So it is 085 apples", "\\boxed{85}", "\\boxed{105}",
+             "\\boxed{\\frac{1}{2}}", "\\boxed{1/2}", "\\boxed{0.5}", "\\boxed{\\frac{2}{4}}",
+             "\\boxed{-3}", "The result is -3.", "\\boxed{1,000}", "so 1,000 apples", "\\boxed{1000}",
+             "The final answer is $\\frac{3}{7}$.", "\\boxed{0}", "\\boxed{-0}", "The sum is 12 and then 40."]
+    others = ["\\boxed{85\\%}", "\\boxed{0.333333}", "\\boxed{2^{10}}", "\\boxed{1024}", "$x = 5$",
+              "\\boxed{5}", "\\boxed{\\sqrt{4}}", "\\boxed{2}"]
+    parses = {text: verifying.parse_completion(text) for text in texts + others}
+    numbers = [text for text in texts if verifying._exact_number(parses[text]) is not None]
+    assert numbers == texts  # every one of them takes the new path
+    expected = {(a, b): bool(verify(parses[a], parses[b])) for a in texts + others for b in texts + others}
+    assert expected["The answer is 85.", "\\boxed{85}"] and not expected["\\boxed{85}", "\\boxed{105}"]
+    assert expected["\\boxed{0.5}", "\\boxed{\\frac{2}{4}}"] and expected["\\boxed{1,000}", "so 1,000 apples"]
+
+    calls = []
+    import math_verify
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return verify(*args, **kwargs)
+
+    monkeypatch.setattr(math_verify, "verify", counted)
+    verifying._EQUIVALENT.clear()
+    stated = lambda text: verifying.FinalAnswer(text, False, ("extracted", text), parses[text])  # noqa: E731
+    for a in texts + others:
+        for b in texts + others:
+            assert verifying.equivalent(stated(a), stated(b)) == expected[a, b], (a, b)
+    assert calls and all(verifying._exact_number(gold) is None or verifying._exact_number(predicted) is None
+                         for gold, predicted in calls)  # only pairs with a non-number went to verify
+    every = texts + others
+    not_numbers = [text for text in every if verifying._exact_number(parses[text]) is None]
+    assert not_numbers == others[:3] + others[4:5] + others[6:7]
+    # each pair with a non-number once, but a text against itself (the same key: equivalent at once)
+    assert len(calls) == len(every) ** 2 - (len(every) - len(not_numbers)) ** 2 - len(not_numbers)
+
+
 def test_an_unevaluated_sum_of_the_question_is_no_answer():
     """math-verify simplifies "47+38" to 85; an RL policy learnt to box the question instead of the
     sum (sampled "accuracy" 0.99 after 14 steps on two-digit sums, 0.00 held out under a grader that
