@@ -34,6 +34,36 @@ def test_rows_share_their_prompt_and_padding_rows_repeat_the_last():
     assert row_map_of(["a", "a", "b"], 3, share=False) == (["a", "a", "b"], [0, 1, 2])
 
 
+def test_a_common_prefix_goes_first_and_every_token_keeps_its_position():
+    """``prefix_first``: left-padded prompts laid out as [common prefix | left-padded rest]. Each
+    row's tokens in order and their positions (the mask's running count) are unchanged; the prefix
+    leaves each row one token of its own; no prefix for one prompt, a too-short prompt, or fewer
+    saved tokens than asked for."""
+    import torch
+
+    from sptool.models.step_decoder import prefix_first
+
+    rows = [[5, 6, 7, 8, 9], [5, 6, 7, 1, 2, 3, 4], [5, 6, 7, 2, 3, 4], [5, 6, 7]]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(row)) + row for row in rows])
+    mask = (ids != 0).long()
+    laid, laid_mask, prefix = prefix_first(ids, mask, 0, min_saved_tokens=1)
+    assert prefix == 2  # "5 6 7" is common, but the 3-token prompt keeps its 7
+    assert laid[:, :2].tolist() == [[5, 6]] * 4 and laid_mask[:, :2].tolist() == [[1, 1]] * 4
+
+    def positions(m):
+        return (m.cumsum(-1) - 1).masked_fill(m == 0, -1)
+
+    for row, before, after, m_before, m_after in zip(rows, ids, laid, mask, laid_mask):
+        assert after[m_after.bool()].tolist() == row == before[m_before.bool()].tolist()
+        assert positions(m_after)[m_after.bool()].tolist() == positions(m_before)[m_before.bool()].tolist()
+    assert laid[3].tolist() == [5, 6, 0, 0, 0, 0, 7]  # the padding moved between prefix and rest
+    assert prefix_first(ids, mask, 0, min_saved_tokens=7)[2] == 0  # 2 tokens x 3 other rows = 6 saved
+    assert prefix_first(ids[:1], mask[:1], 0, min_saved_tokens=0)[2] == 0
+    short = torch.tensor([[0, 5], [5, 6]])
+    assert prefix_first(short, (short != 0).long(), 0, min_saved_tokens=0)[2] == 0
+
+
 def test_choose_samples_without_a_sync_and_records_raw_logprobs():
     """The sampling step: greedy is the argmax; the log-probability is under the raw logits
     (temperature and top-p only change the choice); finished rows emit pad and stop growing;
@@ -405,7 +435,7 @@ def test_a_bf16_split_sampler_step_decodes_as_generate_and_compiles_to_one_graph
         monkeypatch.setattr(hf_decoding.packed_split_weights, "__enter__",
                             lambda self: packings.append(1) or enter(self))
         monkeypatch.setattr(HFBackend, "_encode",
-                            lambda self, texts: encoders.append(threading.current_thread().name) or encode(self, texts))
+                            lambda self, *args: encoders.append(threading.current_thread().name) or encode(self, *args))
         step._step_decoder, step.batch_size = None, 2  # eager again
         assert tokens_of(step.generate(PROMPTS, 1, params)) == want  # two batches
         assert packings == [1] and len(encoders) == 2
@@ -826,6 +856,67 @@ def test_the_compiled_prefill_is_one_graph_for_any_batch_of_prompts_and_falls_ba
         assert_same(prefilled(broken, texts, row_map), prefilled(eager, texts, row_map))
     assert notes == ["note: the step decoder's compiled prefill failed on its first call (RuntimeError: dynamo "
                      "could not trace this); prefilling eagerly"]
+
+
+@pytest.mark.slow
+def test_a_common_prefix_prefilled_once_decodes_as_generate(backends, monkeypatch):
+    """Chat prompts share the template's system message and the task's words: the step decoder
+    prefills that prefix once and the rests on top of it. The last positions' logits
+    and positions equal a plain prefill's (a small Qwen3, eager and compiled with ``aot_eager``:
+    no fallback note), and the tiny model's greedy tokens, texts and finish reasons equal eager
+    ``generate``'s."""
+    import torch
+    from transformers import StaticCache
+
+    from sptool.models import step_decoder
+    from sptool.models.base import SamplingParams
+    from sptool.models.step_decoder import StepDecoder, prefix_first
+
+    eager, step = backends
+    task = "Answer with one number. What is {}?"
+    prompts = [[{"role": "user", "content": task.format(question)}]
+               for question in ("2 + 3", "the sum of 17 and 25, written out", "9 - 4 + 1")]
+    texts = [eager.render(prompt) for prompt in prompts]
+    encoded = eager.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    laid, laid_mask, prefix = prefix_first(encoded["input_ids"], encoded["attention_mask"],
+                                           eager.tokenizer.pad_token_id, min_saved_tokens=0)
+    assert prefix > 20  # the system message, "Answer with one number. What is"
+    row_map = torch.tensor([0, 0, 1, 2])
+    notes: list[str] = []
+    model = small_model("qwen3", eager.tokenizer)
+    decoders = (StepDecoder(model), StepDecoder(model, compile=True, log=notes.append,
+                                                compile_options=dict(backend="aot_eager")))
+
+    def prefilled(decoder, ids, mask, length):
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 8)
+        with torch.inference_mode():
+            return decoder.prefill(cache, ids, mask, row_map, length)
+
+    want_logits, want_positions = prefilled(decoders[0], encoded["input_ids"], encoded["attention_mask"], 0)
+    for decoder in decoders:
+        logits, positions = prefilled(decoder, laid, laid_mask, prefix)
+        torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(positions, want_positions)
+    assert notes == [] and decoders[1]._prefill_proven == {"", " on a prefix"}
+
+    used = []
+
+    def spied(*args, **kwargs):
+        out = prefix_first(*args, **kwargs)
+        used.append(out[2])
+        return out
+
+    monkeypatch.setattr(step_decoder, "prefix_first", spied)
+    monkeypatch.setattr(step, "prefix_min_saved_tokens", 0)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    want = eager.generate(prompts, 2, params)
+    got = step.generate(prompts, 2, params)
+    assert used and used[0] == prefix
+    for prompt, rows_want, rows_got in zip(prompts, tokens_of(want), tokens_of(got)):
+        for row_want, row_got in zip(rows_want, rows_got):
+            assert_same_greedy(eager, prompt, row_got, row_want, TIE)
+    assert [[(s.text, s.finish_reason) for s in row] for row in got] == \
+        [[(s.text, s.finish_reason) for s in row] for row in want]
 
 
 @pytest.mark.slow

@@ -199,6 +199,9 @@ class HFBackend:
         self.decoder = decoder
         self.decode_attention = decode_attention
         self.share_prefill = True  # step decoder: one prefill per distinct prompt of a batch
+        # step decoder: the distinct prompts' common prefix prefilled once, in one row, when it saves at
+        # least this many prompt tokens (None: step_decoder.PREFIX_MIN_SAVED_TOKENS; 0: whenever any)
+        self.prefix_min_saved_tokens: int | None = None
         self.step_graph = step_graph
         self._step_decoder = None  # built on the first step-decoded call
         self._step_proven = False  # a step-decoded call succeeded (later failures are real errors)
@@ -489,10 +492,10 @@ class HFBackend:
         again = False  # the step decoder (or its captured graph) was given up: the call starts again
         with ThreadPoolExecutor(1, thread_name_prefix="sptool-prompts") as prompts_pool, \
                 torch.inference_mode(), regional_compile_off(self.model), self._autocast():
-            first = prompts_pool.submit(self._encode, batches[0][3]) if batches else None
+            first = prompts_pool.submit(self._encode, batches[0][3], True) if batches else None
             with packed_split_weights(self.model, self.autocast):
                 for batch_index, batch, rows, distinct, row_map in batches:
-                    encoded = first.result() if batch_index == 0 else self._encode(distinct)
+                    encoded = first.result() if batch_index == 0 else self._encode(distinct, True)
                     left = params.seconds_left()
                     if left is not None and left <= 0:
                         break  # past the deadline: the caller sees missing samples and drops the batch
@@ -533,7 +536,8 @@ class HFBackend:
                 torch.tensor(row_map, dtype=torch.long, device=self.device), real_rows=len(batch),
                 max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                 top_p=params.top_p, eos_ids=eos_ids, pad_id=pad_id, logprobs=params.logprobs,
-                stop_check=stop_check, listener=listener, seconds_left=params.seconds_left)
+                stop_check=stop_check, listener=listener, seconds_left=params.seconds_left,
+                prefix_length=encoded.get("prefix_length", 0))
         except Exception as exc:  # noqa: BLE001 - only a first step-decoded call falls back
             if self._step_proven or isinstance(exc, torch.cuda.OutOfMemoryError):
                 raise
@@ -549,13 +553,24 @@ class HFBackend:
         self.decode_steps += decoded.steps
         return decoded
 
-    def _encode(self, texts: list[str]) -> dict:
+    def _encode(self, texts: list[str], prefix_first: bool = False) -> dict:
         """The rendered prompts' left-padded ``input_ids`` and ``attention_mask`` on the device
-        (:class:`~sptool.models.tokenizer.PromptEncoder`: a large batch on a few threads)."""
+        (:class:`~sptool.models.tokenizer.PromptEncoder`: a large batch on a few threads).
+        ``prefix_first`` (the step decoder): laid out by :func:`~sptool.models.step_decoder.prefix_first`
+        with the prompts' common prefix first, its length under ``prefix_length``."""
         if self._prompt_encoder is None or self._prompt_encoder.tokenizer is not self.tokenizer:
             self._prompt_encoder = PromptEncoder(self.tokenizer)
         input_ids, attention_mask = self._prompt_encoder(texts)
-        return {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}
+        if not prefix_first:
+            return {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}
+        from sptool.models import step_decoder
+
+        minimum = self.prefix_min_saved_tokens
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        input_ids, attention_mask, prefix_length = step_decoder.prefix_first(
+            input_ids, attention_mask, pad_id, step_decoder.PREFIX_MIN_SAVED_TOKENS if minimum is None else minimum)
+        return {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device),
+                "prefix_length": prefix_length}
 
     def _autocast(self):
         import contextlib
