@@ -199,7 +199,7 @@ class HFBackend:
         self.decoder = decoder
         self.decode_attention = decode_attention
         self.share_prefill = True  # step decoder: one prefill per distinct prompt of a batch
-        # step decoder: the distinct prompts' common prefix prefilled once, in one row, when it saves at
+        # step decoder: the distinct prompts' common prefix prefilled once, when it saves at
         # least this many prompt tokens (None: step_decoder.PREFIX_MIN_SAVED_TOKENS; 0: whenever any)
         self.prefix_min_saved_tokens: int | None = None
         self.step_graph = step_graph
