@@ -296,10 +296,11 @@ def equivalent(gold: FinalAnswer, predicted: FinalAnswer) -> bool:
 
         gold_parsed = gold.parsed if gold.parsed is not None else parse_answer(gold.text)
         predicted_parsed = predicted.parsed if predicted.parsed is not None else parse_answer(predicted.text)
-        verdict = bool(gold_parsed and predicted_parsed) and _exact_numbers_verdict(gold_parsed, predicted_parsed)
-        if verdict is None:
-            verdict = verify(gold_parsed, predicted_parsed, timeout_seconds=5)
-        verdict = bool(verdict)
+        verdict = False
+        if gold_parsed and predicted_parsed:
+            verdict = _exact_numbers_verdict(gold_parsed, predicted_parsed)
+            if verdict is None:
+                verdict = bool(verify(gold_parsed, predicted_parsed, timeout_seconds=5))
         if len(_EQUIVALENT) >= _EQUIVALENT_MAX:
             _EQUIVALENT.clear()
         _EQUIVALENT[pair] = verdict
