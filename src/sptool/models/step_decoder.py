@@ -34,8 +34,10 @@ Design. A batch is decoded in three parts:
 - **the KV window**: with the grouped decode attention (:mod:`sptool.models.decode_attention`) a
   step reads only the cache's first ``decode_window`` positions, the next multiple of
   :data:`~sptool.models.decode_attention.WINDOW` above every position written so far; the window
-  grows during a call, one compiled (and captured) step per window, the loop's buffers handed from
-  one to the next. A greedy eval call of 78-token prompts and 64 new tokens reads 128 positions for
+  grows during a call, the loop's buffers handed from one captured step to the next. The window
+  is a dynamic size of the compiled step (the length of a tensor argument), so one graph serves
+  every window shorter than the cache and one the whole cache (an int argument made each window a
+  compile of its own: a 448-position cache had up to 6). A greedy eval call of 78-token prompts and 64 new tokens reads 128 positions for
   its first 49 steps where the cache holds 192.
 - **the loop**: nothing in it reads a device value back, so the host only queues work; every
   :data:`CHECK_EVERY` steps one check synchronises: all real rows finished ends the batch early,
@@ -331,13 +333,14 @@ class StepDecoder:
 
             reduce_overhead = dict(mode="reduce-overhead") if self.graph == "compile" else {}
             options = compile_options or dict(**reduce_overhead, fullgraph=False, dynamic=False)
-            # one graph per (rows, cache length) bucket, sampling variant (greedy, sampled, top-p, with
-            # log-probabilities or not) and KV window: more than dynamo's default 8 in a run with several
+            # one graph per (rows, cache length) bucket and sampling variant (greedy, sampled, top-p, with
+            # log-probabilities or not; the KV window is a dynamic size): more than dynamo's default 8 in a run with several
             # stages (past the limit a new variant runs its step eagerly)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
             self._step = torch.compile(self._forward_and_choose, **options)
         self._prefill_forward = self._prompt_forward
         self._prefill_proven: set[str] = set()
+        self._window_markers: dict[tuple[int, str], Any] = {}  # (window, device) -> its size tensor
         if compile and compile_prefill:
             import torch
 
@@ -347,9 +350,11 @@ class StepDecoder:
             self._prefill_forward = torch.compile(self._prompt_forward, **{**options, "dynamic": True})
 
     def _forward_and_choose(self, cache, tokens, positions, mask, finished, lengths, temperature, top_p, eos,
-                            pad: int, sample: bool, nucleus: bool, record: bool, window: int | None):
-        # window: the grouped decode attention reads the cache's first `window` positions only
-        extra = {} if window is None else {"decode_window": window}
+                            pad: int, sample: bool, nucleus: bool, record: bool, window):
+        # window: None, or a tensor whose length is the KV window (the grouped decode attention
+        # reads the cache's first that many positions): a dynamic size, so one compiled step
+        # serves every window of a cache (an int would be a constant, and each window a new graph)
+        extra = {} if window is None else {"decode_window": window.shape[0]}
         logits = self.model(input_ids=tokens.unsqueeze(-1), position_ids=positions.unsqueeze(-1),
                             attention_mask=mask, past_key_values=cache, use_cache=True, **extra).logits[:, -1]
         return choose(logits, finished, lengths, temperature, top_p, eos, pad, sample, nucleus, record)
@@ -481,7 +486,7 @@ class StepDecoder:
         captured = None
         if self.graph == "capture":
             state = [current, positions, mask, finished, lengths, temperature_t, top_p_t, eos]
-            captured = self._captured_step(cache, state, (*constants, window))
+            captured = self._captured_step(cache, state, (*constants, self._window_size(window, device)))
             captured.load(state)
             # the loop's state is the captured step's own buffers from here on
             current, positions, mask, finished, lengths = captured.inputs[:5]
@@ -492,7 +497,7 @@ class StepDecoder:
             if cuda and self.compile:
                 torch.compiler.cudagraph_mark_step_begin()
             return self._step(cache, current, positions, mask, finished, lengths, temperature_t, top_p_t, eos,
-                              *constants, window)
+                              *constants, self._window_size(window, device))
         columns, reported = 1, 0
         stopped: set[int] = set()
         while columns < max_new_tokens:
@@ -500,7 +505,7 @@ class StepDecoder:
                 window = window_at(columns)
                 if captured is not None:
                     state = captured.inputs
-                    captured = self._captured_step(cache, state, (*constants, window))
+                    captured = self._captured_step(cache, state, (*constants, self._window_size(window, device)))
                     captured.load(state)
                     current, positions, mask, finished, lengths = captured.inputs[:5]
             if columns % self.check_every == 0:
@@ -537,7 +542,9 @@ class StepDecoder:
         """The KV window of the step that feeds the token of column ``columns`` (None: the whole
         cache): the next multiple of :data:`sptool.models.decode_attention.WINDOW` above every
         written position (``prompt_length + columns - 1``), while that is shorter than the cache,
-        for a model whose attention is the grouped decode attention (others read the whole cache)."""
+        for a model whose attention is the grouped decode attention (others read the whole cache).
+        The whole cache is a graph of its own: a window as long as the cache would make the dynamic
+        window's graph specialise (a slice of the whole mask is contiguous, a shorter one is not)."""
         from sptool.models import decode_attention
 
         if getattr(self.model.config, "_attn_implementation", None) != decode_attention.NAME:
@@ -550,10 +557,26 @@ class StepDecoder:
 
         return window_at
 
+    def _window_size(self, window: int | None, device):
+        """The step's ``window`` argument: None, or a tensor of ``window`` bytes whose length dynamo
+        treats as dynamic (``mark_dynamic``), kept per window so a captured graph's input stays put."""
+        if window is None:
+            return None
+        marker = self._window_markers.get((window, str(device)))
+        if marker is None:
+            import torch
+
+            marker = torch.empty(window, dtype=torch.uint8, device=device)
+            if self.compile:
+                torch._dynamo.mark_dynamic(marker, 0)
+            self._window_markers[(window, str(device))] = marker
+        return marker
+
     def _captured_step(self, cache, inputs, constants) -> CapturedStep:
         """The kept captured step of ``cache`` for this sampling variant and buffer shapes; a new one
         when there is none or a weight has moved since its capture."""
-        variant = (*constants, *(tuple(tensor.shape) for tensor in inputs))
+        variant = (*(tuple(value.shape) if hasattr(value, "shape") else value for value in constants),
+                   *(tuple(tensor.shape) for tensor in inputs))
         steps = self._captured.setdefault(cache, {})
         captured = steps.get(variant)
         if captured is None or captured.stale():
