@@ -467,17 +467,19 @@ def measure_stages(model: str, args) -> list[dict]:
     for decoder in args.decoder:
         for attention in args.attention:
             for graph in (args.step_graph if decoder == "step" else ["compile"]):
-                rows += measure_decoder(trainer, model, decoder, args, cuda, attention, graph)
+                for window in (args.window if decoder == "step" and attention == "grouped" else ["static"]):
+                    rows += measure_decoder(trainer, model, decoder, args, cuda, attention, graph, window)
     return rows
 
 
 def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attention: str = "model",
-                    graph: str = "compile") -> list[dict]:
+                    graph: str = "compile", window: str = "static") -> list[dict]:
     """Every stage through one backend (``decoder``: generate or step) over the trainer's live model,
     the sptool arm with ``model.decode_attention = attention`` (model: the model's own SDPA, or
     grouped: ``sptool.models.decode_attention``) and, for the step decoder, ``graph`` (compile:
-    torch.compile's CUDA graphs; capture: sptool's own per cache); the bare arm always eager
-    ``generate`` with the model's own attention."""
+    torch.compile's CUDA graphs; capture: sptool's own per cache) and ``window`` (static: a compiled
+    step per KV window; dynamic: one for all, ``StepDecoder(dynamic_window=True)``); the bare arm
+    always eager ``generate`` with the model's own attention."""
     from sptool.models.hf import HFBackend
 
     import torch
@@ -488,6 +490,8 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
                                    step_graph=graph,
                                    log=lambda m: print("#", m, file=sys.stderr),
                                    autocast=torch.bfloat16 if args.sampler == "bf16-split" else None)
+    backend.dynamic_window = window == "dynamic"
+    arm = f"{decoder}, {attention}, {graph}" + (", dynamic window" if window == "dynamic" else "")
     weight_bytes = sum(p.numel() * p.element_size() for p in live.parameters())
     # the bf16-split sampler is also held against bare generate on a bf16 copy (same precision)
     bf16_model = bare_copy(live, torch.bfloat16) if args.sampler == "bf16-split" else None
@@ -529,7 +533,7 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
             if "rows" in fit_bf16:
                 bare_columns["bare_bf16_rows_at_once"] = fit_bf16["rows"]
         row = dict(stage=stage_name, recipe=recipe, shape=args.shape, decoder=decoder, attention=attention,
-                   graph=graph, sampler=args.sampler, decoding=backend.decoding,
+                   graph=graph, window=window, sampler=args.sampler, decoding=backend.decoding,
                    calls=len(calls), rows=max(len(c["prompts"]) * c["n"] for c in calls),
                    max_tokens=max(c["params"].max_new_tokens for c in calls), warmup_s=round(warm_s, 1),
                    steps_s=round(steps / seconds, 1), tok_s=round(tokens / seconds, 1),
@@ -543,13 +547,14 @@ def measure_decoder(trainer, model: str, decoder: str, args, cuda: bool, attenti
                  f"packing weights)" if "loop_ms" in row else "")
         bf16 = (f"; vs bare on a bf16 copy {row['bare_bf16_steps_s']} steps/s: x{row['x_bare_bf16']}"
                 if "x_bare_bf16" in row else "")
-        print(f"# {stage_name} ({decoder}, {attention}, {graph}): {row['steps_s']} steps/s ({row['tok_s']} tok/s) vs bare {row['bare_steps_s']} "
+        print(f"# {stage_name} ({arm}): {row['steps_s']} steps/s ({row['tok_s']} tok/s) vs bare {row['bare_steps_s']} "
               f"steps/s: x{row['x_bare']}{bf16}{where}", file=sys.stderr, flush=True)
         if args.profile:
-            tag = f"{decoder}-{attention}" + ("-capture" if graph == "capture" else "")
+            tag = f"{decoder}-{attention}" + ("-capture" if graph == "capture" else "") + \
+                ("-dynamic-window" if window == "dynamic" else "")
             row.update(profile_stage(build, backend, stage_name, tag, Path(args.profile), cuda))
     rows.append(dict(loop_step_memory(trainer, backend, args, cuda), decoder=decoder, attention=attention,
-                     graph=graph, sampler=args.sampler))
+                     graph=graph, window=window, sampler=args.sampler))
     backend.close()
     del bf16_model
     if cuda:
@@ -643,7 +648,7 @@ def loop_step_memory(trainer, backend, args, cuda: bool) -> dict:
     return row
 
 
-STAGE_HEADER = ["stage", "recipe", "shape", "decoder", "attention", "graph", "sampler", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",
+STAGE_HEADER = ["stage", "recipe", "shape", "decoder", "attention", "graph", "window", "sampler", "decoding", "calls", "rows", "max_tokens", "warmup_s", "steps_s",
                 "tok_s", "bare_steps_s", "bare_tok_s", "x_bare", "bare_bf16_steps_s", "x_bare_bf16", "bare_rows_at_once",
                 "bare_bf16_rows_at_once", "floor_steps_s", "kv_floor_steps_s",
                 "prefill_ms", "loop_ms", "host_ms", "render_ms", "encode_ms", "pack_ms"]
@@ -654,12 +659,14 @@ TARGET_X_BARE = {"tiny": 5.0, "0.6b": 3.0}
 
 
 def target_lines(rows: list[dict]) -> list[str]:
-    """Per sptool arm (shape, decoder, attention, step graph, sampler): its slowest stage against
-    bare ``generate`` and whether every stage reaches :data:`TARGET_X_BARE` for its shape."""
+    """Per sptool arm (shape, decoder, attention, step graph, a dynamic KV window, sampler): its
+    slowest stage against bare ``generate`` and whether every stage reaches :data:`TARGET_X_BARE`
+    for its shape."""
     arms: dict[tuple, list[dict]] = {}
     for row in rows:
         if "x_bare" in row:
-            key = (row["shape"], row["decoder"], row["attention"], row["graph"], row["sampler"])
+            window = ("dynamic-window",) if row.get("window") == "dynamic" else ()
+            key = (row["shape"], row["decoder"], row["attention"], row["graph"], *window, row["sampler"])
             arms.setdefault(key, []).append(row)
     lines = []
     for (shape, *arm), stages in arms.items():
@@ -757,6 +764,10 @@ def main() -> None:
                         help="--stages: how the step decoder's step becomes a CUDA graph, comma-separated: compile "
                         "(torch.compile's reduce-overhead) or capture (sptool captures each cache's step itself: "
                         "one replay a token)")
+    parser.add_argument("--window", default="static",
+                        help="--stages with the step decoder and grouped attention, comma-separated: static (a "
+                        "compiled step per KV window, the default) or dynamic (the window a dynamic size of "
+                        "one compiled step: fewer compiles; its token loop against static's is the question)")
     parser.add_argument("--sampler", default="fp32", choices=["fp32", "bf16-split"],
                         help="--stages: the sptool arm's sampling precision: fp32 (the trainer's float32 policy, "
                         "the default) or bf16-split (bf16 autocast with train.weight_rounding = split, which sees "
@@ -775,6 +786,9 @@ def main() -> None:
     args.step_graph = [item.strip() for item in args.step_graph.split(",") if item.strip()] or ["compile"]
     if not set(args.step_graph) <= {"compile", "capture"}:
         parser.error(f"--step-graph: compile or capture, not {args.step_graph}")
+    args.window = [item.strip() for item in args.window.split(",") if item.strip()] or ["static"]
+    if not set(args.window) <= {"static", "dynamic"}:
+        parser.error(f"--window: static or dynamic, not {args.window}")
     if args.stages:
         args.batch = [int(item) for item in args.batch.split(",")]
         with tempfile.TemporaryDirectory(prefix="sptool-bench-") as workdir:

@@ -554,6 +554,16 @@ def run_trl(settings: Settings, recorder: Recorder) -> None:
 
 # ---------------------------------------------------------------------------- (c) sptool run
 
+def keep_records(run_dir: Path, kept: Path) -> None:
+    """A copy of ``run_dir``'s step records (``iter-*/*.jsonl``) and ``metrics.jsonl`` under ``kept``
+    (no checkpoints)."""
+    for path in [*sorted(run_dir.glob("iter-*/*.jsonl")), run_dir / "metrics.jsonl"]:
+        if path.is_file():
+            target = kept / path.relative_to(run_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+
+
 def run_sptool(settings: Settings, recorder: Recorder, workdir: Path, arm: str = "sptool") -> None:
     """``sptool run --recipe rlvr`` in a subprocess; per-step seconds from its stage timings and the
     moments its iterations start (stderr). It checkpoints at every evaluation step; accuracies come
@@ -884,6 +894,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--parallel", type=int, default=1, help="arms run at once (learning curves only)")
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/parity-DEVICE)")
     parser.add_argument("--report", default=None, metavar="DIR", help="only print the table of DIR")
+    parser.add_argument("--keep-records", action="store_true",
+                        help="sptool arms: keep each step's records and metrics.jsonl of the run under "
+                        "OUT/ARM.run/ (the run directory is otherwise temporary), e.g. to time grading on them")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tag", default="", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -933,7 +946,11 @@ def main(argv=None) -> int:
             run_trl(settings, recorder)
         else:
             with tempfile.TemporaryDirectory(prefix="parity-sptool-") as workdir:
-                run_sptool(settings, recorder, Path(workdir), args.worker)
+                try:
+                    run_sptool(settings, recorder, Path(workdir), args.worker)
+                finally:
+                    if args.keep_records:
+                        keep_records(Path(workdir) / "run", out / f"{args.worker}{args.tag}.run")
         recorder.save(out)
         return 0
     arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]

@@ -47,6 +47,13 @@ def test_the_target_line_names_each_arms_slowest_stage_against_its_shapes_target
         "every stage >= 5x: yes",
         "0.6b step/grouped/capture/bf16-split: slowest of 1 stage against bare generate: solve at 3.2x; "
         "every stage >= 3x: yes"]
+    # the dynamic KV window's rows are an arm of their own
+    rows = [row("solve", 6.1), dict(row("solve", 5.5), window="dynamic"), dict(row("solve", 6.0), window="static")]
+    assert generation.target_lines(rows) == [
+        "tiny step/grouped/capture/bf16-split: slowest of 2 stages against bare generate: solve at 6.0x; "
+        "every stage >= 5x: yes",
+        "tiny step/grouped/capture/dynamic-window/bf16-split: slowest of 1 stage against bare generate: solve at "
+        "5.5x; every stage >= 5x: yes"]
     # a bf16-split arm is also held against bare generate on a bf16 copy: its own slowest stage and verdict
     rows = [dict(row("solve", 9.0), x_bare_bf16=4.1), dict(row("eval (greedy)", 5.2), x_bare_bf16=5.5)]
     assert generation.target_lines(rows) == [

@@ -63,3 +63,18 @@ def test_one_seed_per_arm_is_held_to_the_binomial_error(tmp_path):
     step5 = summary["against_reference"]["arms"]["sptool-tf32"]["steps"]["5"]
     assert math.isclose(step5["se"], math.sqrt(0.25 / 300 + 0.24 / 300))
     assert step5["within"] is False  # −0.10 < −2 × 0.040
+
+
+def test_kept_records_are_the_runs_step_files_and_metrics_without_checkpoints(tmp_path):
+    """``--keep-records``: a copy of each step's records and ``metrics.jsonl``, and no checkpoint."""
+    run = tmp_path / "run"
+    (run / "iter-0001").mkdir(parents=True)
+    (run / "iter-0001" / "03-verify.jsonl").write_text('{"id": "q1"}\n')
+    (run / "metrics.jsonl").write_text('{"stage": "verify"}\n')
+    (run / "ckpt" / "policy" / "step-0001").mkdir(parents=True)
+    (run / "ckpt" / "policy" / "step-0001" / "model.safetensors").write_bytes(b"weights")
+    kept = tmp_path / "out" / "sptool.s0.run"
+    learning_parity.keep_records(run, kept)
+    assert sorted(str(path.relative_to(kept)) for path in kept.rglob("*") if path.is_file()) == [
+        "iter-0001/03-verify.jsonl", "metrics.jsonl"]
+    assert (kept / "iter-0001" / "03-verify.jsonl").read_text() == '{"id": "q1"}\n'

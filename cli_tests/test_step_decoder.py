@@ -471,10 +471,11 @@ def test_grouped_attention_reads_a_kv_window_that_grows_with_the_written_positio
     next multiple of ``WINDOW`` above every written one, and the whole cache once that is no shorter.
     The greedy tokens are eager ``generate``'s and those of no window at all. With a captured step
     (the base class standing in for the CUDA graph, ``aot_eager``) each window has its own step and
-    the loop's state moves on to the next one; the windows shorter than the cache share one
-    compiled graph (the window is a dynamic size), the whole cache has another."""
+    the loop's state moves on to the next one: a compiled graph each, or with ``dynamic_window``
+    one for the windows shorter than the cache (the window a dynamic size) and one for the whole."""
     from unittest import mock
 
+    import torch
     from torch._dynamo.utils import counters
 
     from sptool.models import decode_attention
@@ -526,12 +527,15 @@ def test_grouped_attention_reads_a_kv_window_that_grows_with_the_written_positio
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    captured = backend(compile=True, compile_options=dict(backend="aot_eager", dynamic=False), graph="capture",
-                       captured_step=Recorded)
-    graphs = counters["stats"]["unique_graphs"]
-    assert tokens_of(captured.generate(PROMPTS, 2, greedy)) == windowed
-    assert len(made) == len(set(expected))  # a captured step per window, the loop's state carried over
-    assert counters["stats"]["unique_graphs"] - graphs == 2  # one for the windows, one for the whole cache
+    for dynamic_window, step_graphs in ((False, len(set(expected))), (True, 2)):
+        made.clear()
+        torch._dynamo.reset()  # dynamo keeps graphs per code object: the arm before would lend its own
+        captured = backend(compile=True, compile_options=dict(backend="aot_eager", dynamic=False), graph="capture",
+                           captured_step=Recorded, dynamic_window=dynamic_window)
+        graphs = counters["stats"]["unique_graphs"]
+        assert tokens_of(captured.generate(PROMPTS, 2, greedy)) == windowed
+        assert len(made) == len(set(expected))  # a captured step per window, the loop's state carried over
+        assert counters["stats"]["unique_graphs"] - graphs == step_graphs
     monkeypatch.setattr(decode_attention, "WINDOW", 1024)  # no window shorter than the cache
     check_same_greedy(eager, windowed, tokens_of(backend().generate(PROMPTS, 2, greedy)))
 

@@ -17,8 +17,8 @@ transformers' own SDPA function unchanged.
 A static cache holds every position a call may reach, and most of them are still empty early in
 the call. The step decoder passes ``decode_window`` (a model keyword argument that transformers
 hands to the attention function): the positions ``[0, window)`` hold every written one, so only
-they are read (windows in :data:`WINDOW`-sized steps; the window is a dynamic size of the one
-compiled step, and each window has a captured CUDA graph of its own).
+they are read (windows in :data:`WINDOW`-sized steps, one compiled and captured step each, or
+one compiled step for all with the step decoder's ``dynamic_window``).
 
 :func:`register` registers the function (with SDPA's
 mask) under :data:`NAME`, and :func:`attention_implementation` switches a model to it inside a block;
@@ -31,7 +31,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 NAME = "sptool_grouped_decode"
-#: the step decoder's KV windows are multiples of this many positions (a captured graph per window)
+#: the step decoder's KV windows are multiples of this many positions (a compiled step per window)
 WINDOW = 64
 
 

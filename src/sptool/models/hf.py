@@ -203,6 +203,9 @@ class HFBackend:
         # least this many prompt tokens (None: step_decoder.PREFIX_MIN_SAVED_TOKENS; 0: whenever any)
         self.prefix_min_saved_tokens: int | None = None
         self.step_graph = step_graph
+        # step decoder: the KV window as a dynamic size (one compiled step for every window); off
+        # until its token loop is timed against the static windows' (benchmarks/generation.py --window)
+        self.dynamic_window = False
         self._step_decoder = None  # built on the first step-decoded call
         self._step_proven = False  # a step-decoded call succeeded (later failures are real errors)
 
@@ -524,7 +527,7 @@ class HFBackend:
                 self._give_up_step(why)
                 return None
             self._step_decoder = StepDecoder(self.model, compile=self.compile, graph=self.step_graph,
-                                             log=self.log)
+                                             dynamic_window=self.dynamic_window, log=self.log)
         if self.compile and (rows, length) not in self.shapes_seen and self.log is not None:
             self.log(f"hf: new decoding shape {rows} rows x {length} positions: compiling or "
                      f"recording the step decoder's CUDA graph (the first compile takes a while)")

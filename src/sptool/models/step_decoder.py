@@ -34,10 +34,10 @@ Design. A batch is decoded in three parts:
 - **the KV window**: with the grouped decode attention (:mod:`sptool.models.decode_attention`) a
   step reads only the cache's first ``decode_window`` positions, the next multiple of
   :data:`~sptool.models.decode_attention.WINDOW` above every position written so far; the window
-  grows during a call, the loop's buffers handed from one captured step to the next. The window
+  grows during a call, the loop's buffers handed from one captured step to the next. Each window
+  is a compile of its own (a 448-position cache has up to 6); with ``dynamic_window`` the window
   is a dynamic size of the compiled step (the length of a tensor argument), so one graph serves
-  every window shorter than the cache and one the whole cache (an int argument made each window a
-  compile of its own: a 448-position cache had up to 6). A greedy eval call of 78-token prompts and 64 new tokens reads 128 positions for
+  every window shorter than the cache and one the whole cache. A greedy eval call of 78-token prompts and 64 new tokens reads 128 positions for
   its first 49 steps where the cache holds 192.
 - **the loop**: nothing in it reads a device value back, so the host only queues work; every
   :data:`CHECK_EVERY` steps one check synchronises: all real rows finished ends the batch early,
@@ -310,12 +310,15 @@ class StepDecoder:
     use on CUDA); ``compile_options`` overrides ``torch.compile``'s arguments (tests: ``aot_eager``).
     ``graph="capture"`` (with ``compile``): compiled without torch's CUDA graphs, and each cache's
     step captured by ``captured_step`` (:class:`CudaGraphStep`; the tests pass the base class).
+    ``dynamic_window``: the KV window as a dynamic size of the compiled step, one graph for every
+    window shorter than the cache, where each window is otherwise a compile of its own (not yet
+    the default: its token loop has not been timed against the static windows' on a GPU).
     The model's parameters are read in place: an optimizer step on them shows in the next call."""
 
     def __init__(self, model, *, compile: bool = False, compile_options: dict | None = None,
                  check_every: int = CHECK_EVERY, share_prefill: bool = True, graph: str = "compile",
                  captured_step: type[CapturedStep] | None = None, compile_prefill: bool = True,
-                 log: Callable[[str], None] | None = None):
+                 dynamic_window: bool = False, log: Callable[[str], None] | None = None):
         if graph not in STEP_GRAPHS:
             raise ValueError(f"unknown step graph {graph!r}; choose from {', '.join(STEP_GRAPHS)}")
         self.model = model
@@ -323,6 +326,7 @@ class StepDecoder:
         self.check_every = max(1, int(check_every))
         self.share_prefill = share_prefill
         self.compile = compile
+        self.dynamic_window = dynamic_window
         self.graph = graph if compile else "compile"
         self.captured_step = captured_step or CudaGraphStep
         self._captured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {variant: step}
@@ -333,8 +337,8 @@ class StepDecoder:
 
             reduce_overhead = dict(mode="reduce-overhead") if self.graph == "compile" else {}
             options = compile_options or dict(**reduce_overhead, fullgraph=False, dynamic=False)
-            # one graph per (rows, cache length) bucket and sampling variant (greedy, sampled, top-p, with
-            # log-probabilities or not; the KV window is a dynamic size): more than dynamo's default 8 in a run with several
+            # one graph per (rows, cache length) bucket, sampling variant (greedy, sampled, top-p, with
+            # log-probabilities or not) and KV window: more than dynamo's default 8 in a run with several
             # stages (past the limit a new variant runs its step eagerly)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
             self._step = torch.compile(self._forward_and_choose, **options)
@@ -351,10 +355,10 @@ class StepDecoder:
 
     def _forward_and_choose(self, cache, tokens, positions, mask, finished, lengths, temperature, top_p, eos,
                             pad: int, sample: bool, nucleus: bool, record: bool, window):
-        # window: None, or a tensor whose length is the KV window (the grouped decode attention
-        # reads the cache's first that many positions): a dynamic size, so one compiled step
-        # serves every window of a cache (an int would be a constant, and each window a new graph)
-        extra = {} if window is None else {"decode_window": window.shape[0]}
+        # window: None, or the KV window (the grouped decode attention reads the cache's first that
+        # many positions): an int (a constant of the compiled step: each window a graph of its own),
+        # or with dynamic_window a tensor of that length (a dynamic size: one graph for every window)
+        extra = {} if window is None else {"decode_window": window if isinstance(window, int) else window.shape[0]}
         logits = self.model(input_ids=tokens.unsqueeze(-1), position_ids=positions.unsqueeze(-1),
                             attention_mask=mask, past_key_values=cache, use_cache=True, **extra).logits[:, -1]
         return choose(logits, finished, lengths, temperature, top_p, eos, pad, sample, nucleus, record)
@@ -558,10 +562,11 @@ class StepDecoder:
         return window_at
 
     def _window_size(self, window: int | None, device):
-        """The step's ``window`` argument: None, or a tensor of ``window`` bytes whose length dynamo
-        treats as dynamic (``mark_dynamic``), kept per window so a captured graph's input stays put."""
-        if window is None:
-            return None
+        """The step's ``window`` argument: None or the int; with ``dynamic_window`` a tensor of
+        ``window`` bytes whose length dynamo treats as dynamic (``mark_dynamic``), kept per window
+        so a captured graph's input stays put."""
+        if window is None or not self.dynamic_window:
+            return window
         marker = self._window_markers.get((window, str(device)))
         if marker is None:
             import torch
