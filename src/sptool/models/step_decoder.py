@@ -34,11 +34,11 @@ Design. A batch is decoded in three parts:
 - **the KV window**: with the grouped decode attention (:mod:`sptool.models.decode_attention`) a
   step reads only the cache's first ``decode_window`` positions, the next multiple of
   :data:`~sptool.models.decode_attention.WINDOW` above every position written so far; the window
-  grows during a call, the loop's buffers handed from one captured step to the next. Each window
-  is a compile of its own (a 448-position cache has up to 6); with ``dynamic_window`` the window
-  is a dynamic size of the compiled step (the length of a tensor argument), so one graph serves
-  every window shorter than the cache and one the whole cache. A greedy eval call of 78-token prompts and 64 new tokens reads 128 positions for
-  its first 49 steps where the cache holds 192.
+  grows during a call, the loop's buffers handed from one captured step to the next. A greedy
+  eval call of 78-token prompts and 64 new tokens reads 128 positions for its first 49 steps where
+  the cache holds 192. Each window is a compile of its own (a 448-position cache has up to 6);
+  with ``dynamic_window`` the window is a dynamic size of the compiled step (the length of a
+  tensor argument), so one graph serves every window shorter than the cache, one the whole cache.
 - **the loop**: nothing in it reads a device value back, so the host only queues work; every
   :data:`CHECK_EVERY` steps one check synchronises: all real rows finished ends the batch early,
   rows whose text so far holds a stop string are finished, the progress listener is told the
