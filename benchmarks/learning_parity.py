@@ -123,6 +123,9 @@ SPTOOL_ARMS = {
     # ... with sptool's own CUDA graph per KV cache (model.step_graph = capture): one replay a token
     "sptool-step-capture": {"model.decoder": "step", "model.decode_attention": "grouped",
                             "model.step_graph": "capture"},
+    # ... with Python's garbage collector no longer scanning what the first iteration loaded (run.gc_freeze)
+    "sptool-step-capture-gc-freeze": {"model.decoder": "step", "model.decode_attention": "grouped",
+                                      "model.step_graph": "capture", "run.gc_freeze": True},
     "sptool-bf16-split-step": {"train.mixed_precision": "bf16", "model.dtype": "bf16", "train.old_logprobs": "trainer",
                                "train.weight_rounding": "split", "model.decoder": "step",
                                "model.decode_attention": "grouped"},
@@ -313,6 +316,8 @@ class Recorder:
         shown = " ".join(f"{part[:5]} {parts[part]:.2f}" for part in PARTS)
         if checkpoint:
             shown += f"; checkpoint copy {checkpoint:.2f}, not counted"
+        if extra.get("gc_s") is not None:
+            shown += f"; of which garbage collection {extra['gc_s']:.2f}"
         reward_text = f" reward {extra['mean_reward']:.3f}" if extra.get("mean_reward") is not None else ""
         print(f"[{self.arm}{self.tag}] step {step}/{self.settings.steps}: {total:.2f} s ({shown}){reward_text}",
               file=sys.stderr, flush=True)
@@ -639,10 +644,13 @@ def run_sptool(settings: Settings, recorder: Recorder, workdir: Path, arm: str =
         solve = next((line for line in mine if line["kind"] == "solve"), {})
         trained = next((line for line in mine if line["kind"] == "train"), {})
         update = next(iter((trained.get("roles") or {}).values()), {})
+        collecting = [line["gc_s"] for line in mine if line["kind"] != "eval" and line.get("gc_s") is not None]
         recorder.step(step, seconds, mean_reward=means[0] if means else None,
+                      gc_s=sum(collecting) if collecting else None,
                       train_accuracy=verify.get("accuracy"), truncated_rate=solve.get("truncated_rate"),
                       **{key: update.get(key) for key in UPDATE_METRICS})
-    recorder.notes["stage_wall_s"] = [{k: line.get(k) for k in ("iteration", "stage", "wall_s")} for line in lines]
+    recorder.notes["stage_wall_s"] = [{k: line.get(k) for k in ("iteration", "stage", "wall_s", "gc_s")}
+                                      for line in lines]
     # held-out accuracy from the checkpoints, by the same function as the other arms
     import torch
     from transformers import AutoModelForCausalLM
@@ -792,14 +800,16 @@ def report(out: Path, reference: str | None = None) -> str:
     lines += ["", "seconds per step (mean over steps 2..N; step 1 includes warm-up), held-out evaluation excluded, "
               "and with it the checkpoints sptool writes for it (ckpt: the train step's copy, not in total)",
               f"{'arm':<{width}}{'step 1':>8}{'total':>8}" + "".join(f"{p:>12}" for p in PARTS)
-              + f"{'ckpt':>8}{'eval/call':>11}"]
+              + f"{'ckpt':>8}{'eval/call':>11}{'gc':>7}"]
     for r in results:
         later = [s for s in r["steps"] if s["step"] >= 2] or r["steps"]
         row = {key: mean([s.get(key, 0.0) for s in later]) for key in ("total", *PARTS, "checkpoint")}
+        row["gc"] = mean([s["gc_s"] for s in later if s.get("gc_s") is not None])
         step1 = r["steps"][0]["total"] if r["steps"] else float("nan")
         eval_s = mean([e["seconds"] for e in r["evals"]]) or 0.0
         lines.append(f"{r['label']:<{width}}{step1:>8.2f}{row['total']:>8.2f}" +
-                     "".join(f"{row[p]:>12.2f}" for p in PARTS) + f"{row['checkpoint']:>8.2f}{eval_s:>11.1f}")
+                     "".join(f"{row[p]:>12.2f}" for p in PARTS) + f"{row['checkpoint']:>8.2f}{eval_s:>11.1f}"
+                     + f"{'-' if row['gc'] is None else format(row['gc'], '.3f'):>7}")
         summary["arms"][r["label"]] = {"arm": r["arm"], "seed": r["settings"]["seed"],
                                        "accuracy": {str(e["step"]): e["greedy_accuracy"] for e in r["evals"]},
                                        "seconds_per_step": row, "first_step_s": step1, "eval_s": eval_s,

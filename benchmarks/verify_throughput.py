@@ -6,6 +6,11 @@ Both paths do the same comparisons: each sample against the gold answer, and the
 clustering for the majority vote. Run:
 
     python benchmarks/verify_throughput.py --questions 200 -k 8 --workers 1 2 4
+
+``--records FILE.jsonl`` grades real solved records instead (a run's ``iter-*/NN-solve.jsonl``,
+e.g. kept by ``learning_parity.py --keep-records``): each question once in this process, timed, then
+the slowest questions with their answers, and the whole file through the stage with each
+``--workers`` count, so a slow loop step's grading can be traced to the completions that cost it.
 """
 
 from __future__ import annotations
@@ -62,12 +67,55 @@ def sptool_verify(records: list[dict], workers: int) -> float:
     return elapsed
 
 
+def slowest_questions(paths: list[str], workers: list[int], show: int = 5) -> None:
+    """Time :func:`sptool.stages.verify.grade` per question of real solved records, then the stage."""
+    import json
+    import statistics
+
+    from sptool.stages.verify import VerifyStage, grade, warm_up
+
+    warm_up()
+    for path in paths:
+        with open(path, encoding="utf-8") as handle:
+            records = [json.loads(line) for line in handle if line.strip()]
+        records = [record for record in records if record.get("samples")]
+        if not records:
+            print(f"{path}: no solved records with samples")
+            continue
+        stage = VerifyStage(workers=1)
+        timed = []
+        for record in records:
+            task = stage._task(record)
+            start = time.perf_counter()
+            grade(task)
+            timed.append((time.perf_counter() - start, record, task))
+        stage.close()
+        seconds = sorted(t for t, _, _ in timed)
+        print(f"{path}: {len(records)} questions, {sum(len(r['samples']) for r in records)} samples; "
+              f"grading in one process {sum(seconds):.3f} s (per question: median {statistics.median(seconds) * 1e3:.1f} ms, "
+              f"max {seconds[-1] * 1e3:.1f} ms)")
+        for elapsed, record, task in sorted(timed, key=lambda item: item[0], reverse=True)[:show]:
+            answers = [text[-60:].replace("\n", " ") for text in task["texts"]]
+            print(f"  {elapsed * 1e3:8.1f} ms  gold {task['gold']!r}  question {record.get('question', '')[:60]!r}")
+            for answer in answers:
+                print(f"             ...{answer!r}")
+        for count in workers:
+            if count:
+                print(f"  sptool verify --workers {count}: {sptool_verify(records, count):.3f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=200)
     parser.add_argument("-k", type=int, default=8)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--records", nargs="+", metavar="FILE.jsonl",
+                        help="real solved records (a run's iter-*/NN-solve.jsonl) instead of the synthetic workload")
+    parser.add_argument("--show", type=int, default=5, help="--records: the slowest questions shown per file")
     args = parser.parse_args()
+    if args.records:
+        slowest_questions(args.records, args.workers, args.show)
+        return
     records = workload(args.questions, args.k)
     bare = bare_loop(records)
     print(f"questions={args.questions} k={args.k} (samples graded: {args.questions * args.k})")

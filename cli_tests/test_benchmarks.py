@@ -38,6 +38,8 @@ def test_learning_parity_cpu_smoke_runs_bare_and_sptool_arms(tmp_path):
     first, last = sptool["steps"]
     assert first["checkpoint"] == 0 and last["checkpoint"] > 0 and last["training"] >= 0
     assert "ckpt" in table
+    # each step says how long Python's garbage collector held it up (the stages' gc_s)
+    assert all(s["gc_s"] is not None and 0 <= s["gc_s"] < s["total"] for s in sptool["steps"])
     assert "--recipe rlvr" in sptool["notes"]["command"] and "prompts.solve_prefix" in sptool["notes"]["command"]
     # both arms start from the same weights and the same greedy evaluation
     bare = json.loads((out / "bare.json").read_text())

@@ -14,6 +14,7 @@ as an uninterrupted one.
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any, Callable
 
@@ -25,6 +26,30 @@ from sptool.run.run_dir import MANIFEST, StepKey  # noqa: F401 - MANIFEST is par
 from sptool.run.steps import Step, StepContext, run_step, stage_seed
 
 Event = Callable[[dict], None]
+
+
+class CollectorClock:
+    """The seconds Python's cyclic garbage collector has held the process up (``gc.callbacks``):
+    a stage's ``gc_s``. A full collection scans every tracked object (models, compiled graphs, the
+    records), which on a fast GPU step can be a tenth of a second falling in any stage."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._began: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self._began = None
+
+    def __enter__(self) -> "CollectorClock":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
 
 
 class RunDriver:
@@ -43,6 +68,7 @@ class RunDriver:
         self.run_dir = self.session.run_dir
         self.resume = resume
         self.on_event = on_event
+        self.collector = CollectorClock()
 
     def emit(self, event: dict) -> None:
         if self.on_event is not None:
@@ -91,8 +117,13 @@ class RunDriver:
         iterations = self.session.settings.run.iterations
         started = time.monotonic()
         ran = resumed = 0
+        frozen = False
         try:
             for iteration in range(self.first_iteration(), iterations + 1):
+                if ran and not frozen and self.settings.run.gc_freeze:
+                    gc.collect()
+                    gc.freeze()  # what the first iteration loaded and compiled stays: scan it no more
+                    frozen = True
                 steps = self.plan(iteration)
                 outputs: dict[str, Callable[[], list[dict]]] = {}
                 event = {"event": "iteration", "iteration": iteration, "iterations": iterations,
@@ -117,6 +148,8 @@ class RunDriver:
                     if step.metrics_kind == "health":
                         self._check_health(iteration, records)
         finally:
+            if frozen:
+                gc.unfreeze()
             self.session.close()
         return {"run_dir": str(self.run_dir.path), "stages_run": ran, "stages_resumed": resumed,
                 "iterations": iterations, "wall_s": time.monotonic() - started}
@@ -164,10 +197,11 @@ class RunDriver:
         faults.kill_point(key, "start")
         seed = stage_seed(self.session.settings.run.seed, iteration, step.name)
         ctx = StepContext(self.emit, iteration, key, step, seed, outputs)
-        begin = time.monotonic()
-        records = run_step(ctx, ctx.inputs())
-        kind = step.metrics_kind
-        records, contaminated = watch.screen(self.settings, ctx, kind, records)
+        begin, collecting = time.monotonic(), self.collector.seconds
+        with self.collector:
+            records = run_step(ctx, ctx.inputs())
+            kind = step.metrics_kind
+            records, contaminated = watch.screen(self.settings, ctx, kind, records)
         wall = time.monotonic() - begin
         entry = self.run_dir.write_step(key, kind, records, seed=seed, rejects=ctx.rejects,
                                         documents={name: doc for name, (doc, _) in ctx.documents.items()},
@@ -177,6 +211,7 @@ class RunDriver:
             if summary is not None:
                 metrics[name] = summary
         metrics["rejected"] = len(ctx.rejects)
+        metrics["gc_s"] = round(self.collector.seconds - collecting, 3)
         metrics.update({name: round(seconds, 3) for name, seconds in ctx.timings.items()})
         if kind in watch.SCREENED_KINDS and watch.benchmark_paths(self.settings):
             metrics["contaminated"] = contaminated
