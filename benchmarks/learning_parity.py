@@ -123,9 +123,6 @@ SPTOOL_ARMS = {
     # ... with sptool's own CUDA graph per KV cache (model.step_graph = capture): one replay a token
     "sptool-step-capture": {"model.decoder": "step", "model.decode_attention": "grouped",
                             "model.step_graph": "capture"},
-    # ... with Python's garbage collector no longer scanning what the first iteration loaded (run.gc_freeze)
-    "sptool-step-capture-gc-freeze": {"model.decoder": "step", "model.decode_attention": "grouped",
-                                      "model.step_graph": "capture", "run.gc_freeze": True},
     "sptool-bf16-split-step": {"train.mixed_precision": "bf16", "model.dtype": "bf16", "train.old_logprobs": "trainer",
                                "train.weight_rounding": "split", "model.decoder": "step",
                                "model.decode_attention": "grouped"},

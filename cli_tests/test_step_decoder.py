@@ -653,6 +653,86 @@ def test_compiled_step_decoder_on_gpu_follows_generate_and_weight_changes():
     eager.close()
 
 
+def chi_square(counts, expected) -> float:
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def two_sample_chi_square(first, second) -> float:
+    """Pearson's statistic that two histograms (same bins) come from one law."""
+    seen = (first + second) > 0
+    first, second = first[seen], second[seen]
+    pooled = (first + second) / (first.sum() + second.sum())
+    return chi_square(first, pooled * first.sum()) + chi_square(second, pooled * second.sum())
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_captured_sampling_draws_the_softmax_law_afresh_at_each_step_on_gpu():
+    """CUDA: the captured sampler's tokens follow the softmax at every replay, independently of the
+    replay before (a graph whose noise repeated or shifted between steps would tie a row's tokens
+    together: a row that drew a slow EOS once would draw it at every step), and over the real tiny
+    model a captured decoder's finish lengths and first tokens follow eager ``generate``'s law.
+    (A 2-seed learning curve had the captured decoder's truncated share fall more slowly.)
+    Thresholds: the statistics' 1e-4 tails (χ² with 7, 63, 5 and 6 degrees of freedom)."""
+    import collections
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from sptool.models.base import SamplingParams
+    from sptool.models.hf import HFBackend
+    from sptool.models.step_decoder import CudaGraphStep, choose
+
+    probs = torch.tensor([0.3, 0.2, 0.15, 0.12, 0.1, 0.07, 0.04, 0.02], dtype=torch.float64)
+    rows = 1 << 16
+
+    def sample(cache, logits, finished, lengths, temperature, top_p, eos):  # the decoder's sampling step
+        token, chosen, _, _ = choose(logits, finished, lengths, temperature, top_p, eos, 0, True, False)
+        return token, chosen
+
+    class Cache:
+        pass
+
+    cache, device = Cache(), "cuda"
+    inputs = [probs.log().float().repeat(rows, 1).to(device), torch.zeros(rows, dtype=torch.bool, device=device),
+              torch.zeros(rows, dtype=torch.long, device=device), torch.tensor(1.0, device=device),
+              torch.tensor(1.0, device=device), torch.tensor([len(probs)], device=device)]
+    torch.manual_seed(5)
+    step = CudaGraphStep(torch.compile(sample), cache, inputs, (), [], pool=CudaGraphStep.memory_pool())
+    draws = []
+    for _ in range(3):
+        token, chosen = step.replay()
+        draws.append(token.cpu().clone())
+        assert torch.allclose(chosen.cpu().double(), probs.log()[draws[-1]], atol=1e-5)
+    for draw in draws:
+        assert chi_square(torch.bincount(draw, minlength=8).double(), probs * rows) < 30, "not the softmax's law"
+    for before, after in zip(draws, draws[1:]):
+        pairs = torch.bincount(before * 8 + after, minlength=64).double()
+        assert chi_square(pairs, (probs[:, None] * probs[None, :]).flatten() * rows) < 115, \
+            "a replay's token depends on the replay before"
+
+    eager = HFBackend("tiny", device="cuda", dtype="fp32", batch_size=512)  # the learning runs' sampler
+    captured = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=512, compile=True,
+                                    decoder="step", decode_attention="grouped", step_graph="capture")
+    prompts = [f"Solve the following math problem. Give only the final answer inside \\boxed{{}}, with no "
+               f"explanation.\n\nProblem: What is {a} + {b}?" for a, b in ((60, 42), (20, 63))]
+    params = SamplingParams(temperature=1.0, max_new_tokens=32, seed=9, logprobs=True)
+    laws = []
+    for backend in (eager, captured):
+        samples = [s for row in backend.generate(prompts, 256, params) for s in row]
+        lengths = torch.tensor([s.n_tokens if s.finish_reason == "stop" else 33 for s in samples])
+        finish = torch.bucketize(lengths, torch.tensor([2, 4, 8, 16, 32])).bincount(minlength=6).double()
+        laws.append((finish, collections.Counter(s.token_ids[0] for s in samples)))
+    assert captured.decoding == "step-compiled"
+    assert two_sample_chi_square(laws[0][0], laws[1][0]) < 26, f"finish lengths: {laws}"
+    common = [token for token, _ in (laws[0][1] + laws[1][1]).most_common(6)]
+    firsts = [torch.tensor([law[token] for token in common] + [sum(law.values()) - sum(law[t] for t in common)],
+                           dtype=torch.float64) for _, law in laws]
+    assert two_sample_chi_square(*firsts) < 28, f"first tokens: {firsts}"
+    eager.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_a_captured_step_draws_new_noise_each_replay_and_a_seed_repeats_on_gpu():

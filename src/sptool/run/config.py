@@ -36,9 +36,6 @@ class RunConfig:
                                     minimum=1)
     stop_on_collapse: bool = setting(False, "a crossed health.* threshold stops the run (exit 3, "
                                      "resumable; thresholds may change on --resume)")
-    gc_freeze: bool = setting(False, "after the first iteration, exempt every object made so far (the "
-                              "models, compiled graphs, imports) from Python's cyclic garbage collector "
-                              "(gc.freeze), so its full collections scan only what each step makes")
 
 
 @dataclass
