@@ -122,6 +122,50 @@ def test_parses_that_are_rational_numbers_compare_as_math_verify_does(monkeypatc
     assert len(calls) == len(every) ** 2 - (len(every) - len(not_numbers)) ** 2 - len(not_numbers)
 
 
+def test_a_number_against_letters_or_a_set_of_rationals_compares_as_math_verify_does(monkeypatch):
+    """A number against a boxed word (latex2sympy's product of letters: "answer" is E*a*n*r*s*w),
+    against letters with numbers ("6\\cdot L", "233f", "Tin + TwiceTint"), or a rational against a
+    set of two or more rationals ("576, 721") gets math-verify's verdict without its ``verify``:
+    every pair below, both ways, against ``verify`` itself. Negative powers, equations,
+    single letters, sets with a float or a letter, and a set that collapses to one element still go
+    to ``verify``."""
+    from math_verify import verify
+
+    from sptool.stages import verify as verifying
+
+    numbers = ["85", "\\frac{1}{2}", "-3", "0", "1.15", "2"]
+    letters = ["Tin + TwiceTint", "answer", "6\\cdot L", "233f", "e x", "\\pi r^2", "2x - x", "576, 721", "1, 2",
+               "-3, 85, 0"]
+    others = ["x", "\\frac{1}{x}", "1, 1", "0.5, 1", "x, 1", "x = 2", "2^{1}", "x - x + 2"]
+    answers = numbers + letters + others
+    parses = {text: verifying.parse_answer(text) for text in answers}
+    expected = {(a, b): bool(verify(parses[a], parses[b])) for a in answers for b in answers}
+    assert expected["2", "2^{1}"] and expected["2", "x - x + 2"]  # no shortcut may decide these
+    decided = {(a, b) for a in answers for b in answers
+               if verifying._number_against_non_number_verdict(parses[a], parses[b]) is not None}
+    # every number against every letters answer, every rational (not the floats) against every set,
+    # both ways, and nothing else
+    sets, words, rationals = letters[-3:], letters[:-3], [n for n in numbers if n != "1.15"]
+    shortcut = {(n, w) for n in numbers for w in words} | {(n, r) for n in rationals for r in sets}
+    assert decided == shortcut | {(b, a) for a, b in shortcut}
+
+    calls = []
+    import math_verify
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return verify(*args, **kwargs)
+
+    monkeypatch.setattr(math_verify, "verify", counted)
+    verifying._EQUIVALENT.clear()
+    for a in answers:
+        for b in answers:
+            assert verifying.equivalent(verifying.boxed_answer(a), verifying.boxed_answer(b)) == expected[a, b], (a, b)
+    called = {(a, b) for a in answers for b in answers for gold, predicted in calls
+              if gold is parses[a] and predicted is parses[b]}
+    assert called and not called & decided
+
+
 def test_an_unevaluated_sum_of_the_question_is_no_answer():
     """math-verify simplifies "47+38" to 85; an RL policy learnt to box the question instead of the
     sum (sampled "accuracy" 0.99 after 14 steps on two-digit sums, 0.00 held out under a grader that

@@ -21,7 +21,7 @@ WIST_KILL_POINTS = ["1/corpus-fetch:start", "1/challenge:mid", "1/train:train-do
 
 
 def metrics_of(run_dir):
-    return [{k: v for k, v in m.items() if k not in ("wall_s", "checkpoint_s", "roles")} for m in read_jsonl(run_dir / "metrics.jsonl")]
+    return [{k: v for k, v in m.items() if k not in ("wall_s", "checkpoint_s", "gc_s", "roles")} for m in read_jsonl(run_dir / "metrics.jsonl")]
 
 
 @pytest.mark.slow  # like test_run's kill-resume tests: 7 runs of the 1-layer random policy, ~3.5 min on 2 busy cores
