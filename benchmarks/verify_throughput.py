@@ -92,8 +92,8 @@ def slowest_questions(paths: list[str], workers: list[int], show: int = 5) -> No
         stage.close()
         seconds = sorted(t for t, _, _ in timed)
         print(f"{path}: {len(records)} questions, {sum(len(r['samples']) for r in records)} samples; "
-              f"grading in one process {sum(seconds):.3f} s (per question: median {statistics.median(seconds) * 1e3:.1f} ms, "
-              f"max {seconds[-1] * 1e3:.1f} ms)")
+              f"grading in one process {sum(seconds):.3f} s (per question: median "
+              f"{statistics.median(seconds) * 1e3:.1f} ms, max {seconds[-1] * 1e3:.1f} ms)")
         for elapsed, record, task in sorted(timed, key=lambda item: item[0], reverse=True)[:show]:
             answers = [text[-60:].replace("\n", " ") for text in task["texts"]]
             print(f"  {elapsed * 1e3:8.1f} ms  gold {task['gold']!r}  question {record.get('question', '')[:60]!r}")

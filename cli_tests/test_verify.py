@@ -78,6 +78,25 @@ def test_plain_numbers_compare_by_value_as_math_verify_does(monkeypatch):
         assert fast[a, b] == bool(verify(verifying.parse_answer(a), verifying.parse_answer(b))), (a, b)
 
 
+def verify_calls(monkeypatch) -> list[tuple]:
+    """From now on, the arguments of every call of math-verify's ``verify`` (which still answers), with
+    the grader's cache of verdicts emptied."""
+    import math_verify
+    from math_verify import verify
+
+    from sptool.stages import verify as verifying
+
+    calls: list[tuple] = []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return verify(*args, **kwargs)
+
+    monkeypatch.setattr(math_verify, "verify", counted)
+    verifying._EQUIVALENT.clear()
+    return calls
+
+
 def test_parses_that_are_rational_numbers_compare_as_math_verify_does(monkeypatch):
     """Two answers whose math-verify parses are each one rational number (a completion's extracted
     "105", a boxed "\\frac{1}{2}", "0.5", "1,000", "-3") get math-verify's verdict without its
@@ -100,15 +119,7 @@ def test_parses_that_are_rational_numbers_compare_as_math_verify_does(monkeypatc
     assert expected["The answer is 85.", "\\boxed{85}"] and not expected["\\boxed{85}", "\\boxed{105}"]
     assert expected["\\boxed{0.5}", "\\boxed{\\frac{2}{4}}"] and expected["\\boxed{1,000}", "so 1,000 apples"]
 
-    calls = []
-    import math_verify
-
-    def counted(*args, **kwargs):
-        calls.append(args)
-        return verify(*args, **kwargs)
-
-    monkeypatch.setattr(math_verify, "verify", counted)
-    verifying._EQUIVALENT.clear()
+    calls = verify_calls(monkeypatch)
     stated = lambda text: verifying.FinalAnswer(text, False, ("extracted", text), parses[text])  # noqa: E731
     for a in texts + others:
         for b in texts + others:
@@ -149,15 +160,7 @@ def test_a_number_against_letters_or_a_set_of_rationals_compares_as_math_verify_
     shortcut = {(n, w) for n in numbers for w in words} | {(n, r) for n in rationals for r in sets}
     assert decided == shortcut | {(b, a) for a, b in shortcut}
 
-    calls = []
-    import math_verify
-
-    def counted(*args, **kwargs):
-        calls.append(args)
-        return verify(*args, **kwargs)
-
-    monkeypatch.setattr(math_verify, "verify", counted)
-    verifying._EQUIVALENT.clear()
+    calls = verify_calls(monkeypatch)
     for a in answers:
         for b in answers:
             assert verifying.equivalent(verifying.boxed_answer(a), verifying.boxed_answer(b)) == expected[a, b], (a, b)
