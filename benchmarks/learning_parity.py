@@ -728,6 +728,25 @@ def arm_curve(results: list[dict], step: int) -> dict | None:
     return {"mean": centre, "se": se, "seeds": k, "values": values, "se_from": kind}
 
 
+def truncated_shares(by_arm: dict[str, list[dict]], eval_steps: list[int]) -> dict:
+    """The share of each arm's samples that ran into the token limit (``truncated_rate`` of its
+    step lines) at step 1 and at every evaluation step: a policy that learns to stop says so here
+    before its accuracy moves. Per arm the mean over seeds and each seed's value; empty when no
+    arm recorded it (TRL's)."""
+    steps = sorted({1, *(s for s in eval_steps if s)})
+    arms = {}
+    for arm, group in by_arm.items():
+        rows = {}
+        for step in steps:
+            values = [s["truncated_rate"] for r in group for s in r["steps"]
+                      if s["step"] == step and s.get("truncated_rate") is not None]
+            if values:
+                rows[step] = {"mean": sum(values) / len(values), "values": values}
+        if rows:
+            arms[arm] = rows
+    return {"steps": steps, "arms": arms} if arms else {}
+
+
 def against_reference(curves: dict[str, dict[int, dict]], reference: str, steps: list[int]) -> dict:
     """Each arm's mean minus the reference arm's at every evaluation after step 0, with the standard
     error of the difference √(se_arm² + se_ref²); ``within`` is difference ≥ −2 s.e. (issue 32's
@@ -794,6 +813,17 @@ def report(out: Path, reference: str | None = None) -> str:
                      if (d := row["steps"].get(str(s))) else "-" for s in later]
             lines.append(f"{arm:<{width}}" + "".join(f"{c:>16}" for c in cells)
                          + f"{'yes' if row['within_everywhere'] else 'no':>8}")
+    truncation = truncated_shares(by_arm, eval_steps)
+    if truncation:
+        rows = {arm: [f"{c['mean']:.2f} ({'/'.join(f'{v:.2f}' for v in c['values'])})" if (c := by_step.get(s))
+                      else "-" for s in truncation["steps"]] for arm, by_step in truncation["arms"].items()}
+        cell = max(len(c) for cells in rows.values() for c in cells) + 2
+        lines += ["", f"share of samples cut at {first['max_tokens']} new tokens, at step 1 and each evaluation step "
+                  "(mean over seeds; each seed's in brackets)",
+                  f"{'arm':<{width}}" + "".join(f"{s:>{cell}}" for s in truncation["steps"])]
+        for arm, cells in rows.items():
+            lines.append(f"{arm + ' (' + str(len(by_arm[arm])) + ')':<{width}}" + "".join(f"{c:>{cell}}" for c in cells))
+    summary["truncated_share"] = truncation
     lines += ["", "seconds per step (mean over steps 2..N; step 1 includes warm-up), held-out evaluation excluded, "
               "and with it the checkpoints sptool writes for it (ckpt: the train step's copy, not in total)",
               f"{'arm':<{width}}{'step 1':>8}{'total':>8}" + "".join(f"{p:>12}" for p in PARTS)
@@ -899,6 +929,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--bare-bf16", action="store_true", help="the bare loop's training forward under bf16 autocast")
     parser.add_argument("--trl-bf16", action="store_true", help="TRL with bf16=True")
     parser.add_argument("--parallel", type=int, default=1, help="arms run at once (learning curves only)")
+    parser.add_argument("--retries", type=int, default=0, help="a failed arm runs again up to N times, once "
+                        "the others have ended (arms sharing a GPU mostly fail for its memory)")
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/parity-DEVICE)")
     parser.add_argument("--report", default=None, metavar="DIR", help="only print the table of DIR")
     parser.add_argument("--keep-records", action="store_true",
@@ -978,7 +1010,7 @@ def main(argv=None) -> int:
                                         "--tag", seed_tag(seed), *common]) for seed in seeds for arm in arms]
     else:
         jobs = [(arm, [sys.executable, __file__, *base, "--worker", arm, *common]) for arm in arms]
-    failed = run_workers(jobs, args.parallel)
+    failed = run_workers(jobs, args.parallel, args.retries)
     print(report(out, args.reference), end="")
     if failed:
         print(f"failed arms: {', '.join(failed)}", file=sys.stderr)

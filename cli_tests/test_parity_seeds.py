@@ -15,12 +15,14 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import learning_parity  # noqa: E402
 
 
-def write(out, arm: str, seed: int, accuracy: dict[int, float], tag: bool = True, problems: int = 300) -> None:
+def write(out, arm: str, seed: int, accuracy: dict[int, float], tag: bool = True, problems: int = 300,
+          truncated: dict[int, float] | None = None) -> None:
     settings = {"problems": 64, "samples": 8, "max_tokens": 64, "lr": 1e-5, "device": "cuda", "seed": seed,
                 "heldout": "/elsewhere/addition_heldout_300.jsonl", "heldout_limit": 0}
     evals = [{"step": step, "greedy_accuracy": value, "seconds": 1.0, "problems": problems}
              for step, value in accuracy.items()]
-    steps = [{"step": 1, "total": 2.0, "generation": 1.0, "grading": 0.1, "training": 0.8, "other": 0.1}]
+    steps = [{"step": step, "total": 2.0, "generation": 1.0, "grading": 0.1, "training": 0.8, "other": 0.1,
+              "truncated_rate": (truncated or {}).get(step)} for step in sorted({1, *(truncated or {})})]
     name = f"{arm}{learning_parity.seed_tag(seed) if tag else ''}.json"
     (out / name).write_text(json.dumps({"arm": arm, "settings": settings, "steps": steps, "evals": evals}))
 
@@ -78,3 +80,18 @@ def test_kept_records_are_the_runs_step_files_and_metrics_without_checkpoints(tm
     assert sorted(str(path.relative_to(kept)) for path in kept.rglob("*") if path.is_file()) == [
         "iter-0001/03-verify.jsonl", "metrics.jsonl"]
     assert (kept / "iter-0001" / "03-verify.jsonl").read_text() == '{"id": "q1"}\n'
+
+
+def test_the_report_gives_each_arms_share_of_samples_cut_at_the_token_limit(tmp_path):
+    """The truncated share at step 1 and at each evaluation step, per arm over its seeds (the
+    captured decoder's curve was first told apart by it); an arm without it (TRL's) has no row."""
+    write(tmp_path, "sptool", 0, {0: 0.0, 4: 0.2}, truncated={1: 0.41, 2: 0.39, 4: 0.30})
+    write(tmp_path, "sptool", 1, {0: 0.0, 4: 0.3}, truncated={1: 0.43, 2: 0.35, 4: 0.20})
+    write(tmp_path, "trl", 0, {0: 0.0, 4: 0.1}, tag=False)
+    text = learning_parity.report(tmp_path)
+    shares = json.loads((tmp_path / "parity.json").read_text())["truncated_share"]
+    assert shares["steps"] == [1, 4] and set(shares["arms"]) == {"sptool"}
+    assert math.isclose(shares["arms"]["sptool"]["4"]["mean"], 0.25)  # JSON keys: the steps as text
+    assert shares["arms"]["sptool"]["1"]["values"] == [0.41, 0.43]
+    row = next(line for line in text.splitlines() if line.startswith("sptool (2)") and "/" in line)
+    assert row.split()[2:] == ["0.42", "(0.41/0.43)", "0.25", "(0.30/0.20)"]
