@@ -62,3 +62,33 @@ def test_verify_throughput_times_grading_on_a_runs_solve_records():
     after = lines[lines.index(shown[0]) + 1:lines.index(shown[0]) + 5]  # its 4 completions' ends
     assert len(after) == 4 and all(line.startswith("             ...'") and "boxed{" in line for line in after)
     assert lines[-1].startswith("  sptool verify --workers 1: ") and lines[-1].endswith(" s")
+
+
+def test_kept_samples_gives_each_steps_truncated_boxed_and_answered_shares(tmp_path):
+    """``benchmarks/kept_samples.py`` over a kept run: one line a step, in step order, with the
+    shares of its samples cut at the limit, boxed and answered; the last step's cut texts; exit 2
+    and one line for a directory without solve records."""
+    run = tmp_path / "sptool.seed0.run"
+
+    def sample(text, reason, answer):
+        return {"text": text, "finish_reason": reason, "n_tokens": 64 if reason == "length" else 4, "answer": answer}
+
+    steps = [[sample("7 + 8 is", "length", None), sample("\\boxed{15}", "stop", "15")],
+             [sample("\\boxed{15} and so on", "length", "15"), sample("\\boxed{15}", "stop", "15")]]
+    for number, samples in enumerate(steps, 1):
+        (run / f"iter-{number:04d}").mkdir(parents=True)
+        (run / f"iter-{number:04d}" / "02-solve.jsonl").write_text(json.dumps({"samples": samples}) + "\n")
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kept_samples.py"), str(run), "--show", "1"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "##### sptool.seed0.run"
+    assert lines[1] == ("step  1: n 2 truncated 0.500 mean tokens 34.0 boxed 0.500 boxed among truncated 0.000 "
+                        "with answer 0.500")
+    assert lines[2].startswith("step  2:") and "boxed 1.000 boxed among truncated 1.000 with answer 1.000" in lines[2]
+    assert "CUT   '\\\\boxed{15} and so on'" in lines[3]
+    empty = tmp_path / "empty.run"
+    empty.mkdir()
+    failed = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kept_samples.py"), str(empty)],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert failed.returncode == 2 and failed.stderr.strip() == f"{empty}: no solve records with samples"

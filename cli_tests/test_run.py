@@ -510,6 +510,28 @@ def test_collector_clock_times_the_garbage_collections_inside_it():
     assert after > 0 and clock.seconds == after and clock not in gc.callbacks
 
 
+def test_gc_freeze_after_the_first_iteration_by_default(cli, tmp_path, random_policy, monkeypatch):
+    """``run.gc_freeze`` (on by default): once the first iteration has loaded everything, one
+    collection and ``gc.freeze()``, and ``gc.unfreeze()`` when the run ends; off, neither."""
+    import gc
+
+    calls = []
+    freeze, unfreeze = gc.freeze, gc.unfreeze
+    monkeypatch.setattr(gc, "freeze", lambda: (calls.append(("freeze", sorted(p.name for p in run_dir.glob("iter-*")))),
+                                               freeze()))
+    monkeypatch.setattr(gc, "unfreeze", lambda: (calls.append(("unfreeze", gc.get_freeze_count() > 0)), unfreeze()))
+    run_dir = tmp_path / "rlvr"
+    result = cli(scripted_args("rlvr", run_dir, random_policy))
+    assert result.exit_code == 0, result.stderr
+    assert calls == [("freeze", ["iter-0001"]), ("unfreeze", True)] and gc.get_freeze_count() == 0
+    assert {line["iteration"] for line in read_jsonl(run_dir / "metrics.jsonl")} == {1, 2}
+    calls.clear()
+    run_dir = tmp_path / "rlvr-unfrozen"
+    result = cli(scripted_args("rlvr", run_dir, random_policy, "--set", "run.gc_freeze=false"))
+    assert result.exit_code == 0, result.stderr
+    assert calls == [] and (run_dir / "iter-0002").is_dir()
+
+
 def test_bad_held_out_benchmark_fails_before_the_run_starts(tmp_path, random_policy):
     bench = tmp_path / "bench.jsonl"
     bench.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n{"question": "What is 2 + 2?"}\n')

@@ -36,6 +36,9 @@ class RunConfig:
                                     minimum=1)
     stop_on_collapse: bool = setting(False, "a crossed health.* threshold stops the run (exit 3, "
                                      "resumable; thresholds may change on --resume)")
+    gc_freeze: bool = setting(True, "after the first iteration, exempt every object made so far (the "
+                              "models, compiled graphs, imports) from Python's cyclic garbage collector "
+                              "(gc.freeze), so that its full collections scan only what later steps make")
 
 
 @dataclass

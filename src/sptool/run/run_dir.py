@@ -107,9 +107,9 @@ def changed_keys(config: dict, saved: dict, defaults: dict) -> list[str]:
 
 def resumable_change(key: str) -> bool:
     """Keys a resumed run may change: more iterations, and the curriculum-health alarms (a run
-    stopped by one continues after raising its threshold)."""
-    return key in ("run.iterations", "run.stop_on_collapse") or key.startswith("health.min_") \
-        or key.startswith("health.max_")
+    stopped by one continues after raising its threshold), and the garbage collector's freezing."""
+    return key in ("run.iterations", "run.stop_on_collapse", "run.gc_freeze") \
+        or key.startswith(("health.min_", "health.max_"))
 
 
 class RunDir:
