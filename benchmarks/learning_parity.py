@@ -123,6 +123,9 @@ SPTOOL_ARMS = {
     # ... with sptool's own CUDA graph per KV cache (model.step_graph = capture): one replay a token
     "sptool-step-capture": {"model.decoder": "step", "model.decode_attention": "grouped",
                             "model.step_graph": "capture"},
+    # ... with Python's garbage collector scanning everything again (run.gc_freeze, on by default, off)
+    "sptool-step-capture-no-gc-freeze": {"model.decoder": "step", "model.decode_attention": "grouped",
+                                         "model.step_graph": "capture", "run.gc_freeze": False},
     "sptool-bf16-split-step": {"train.mixed_precision": "bf16", "model.dtype": "bf16", "train.old_logprobs": "trainer",
                                "train.weight_rounding": "split", "model.decoder": "step",
                                "model.decode_attention": "grouped"},
