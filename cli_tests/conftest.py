@@ -34,6 +34,16 @@ def read_jsonl(path_or_text) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+#: metrics keys that differ between two runs of the same work (clocks, the collector's pauses,
+#: per-role timings): left out where a resumed run's metrics are compared with an uninterrupted one's
+VOLATILE_METRICS = ("wall_s", "checkpoint_s", "gc_s", "roles")
+
+
+def stable_metrics(run_dir: Path) -> list[dict]:
+    """The lines of ``run_dir``'s ``metrics.jsonl`` without :data:`VOLATILE_METRICS`."""
+    return [{k: v for k, v in line.items() if k not in VOLATILE_METRICS} for line in read_jsonl(run_dir / "metrics.jsonl")]
+
+
 def write_jsonl(path: Path, records) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from conftest import read_jsonl, run_sptool
+from conftest import run_sptool, stable_metrics
 from test_run import ENV, checkpoint_weights, scripted_args, scripted_run, shares_run, stage_outputs  # noqa: F401 - fixture
 
 # Every hook point once (start, mid, train-done, save, checkpoint, done), in run order, each in a
@@ -20,8 +20,6 @@ WIST_KILL_POINTS = ["1/corpus-fetch:start", "1/challenge:mid", "1/train:train-do
                     "2/train:checkpoint", "2/posterior-update:done"]
 
 
-def metrics_of(run_dir):
-    return [{k: v for k, v in m.items() if k not in ("wall_s", "checkpoint_s", "gc_s", "roles")} for m in read_jsonl(run_dir / "metrics.jsonl")]
 
 
 @pytest.mark.slow  # like test_run's kill-resume tests: 7 runs of the 1-layer random policy, ~3.5 min on 2 busy cores
@@ -40,6 +38,6 @@ def test_wist_sigkill_at_every_hook_point_then_resume_equals_uninterrupted_run(t
     assert result.returncode == 0, result.stderr
     assert stage_outputs(killed) == stage_outputs(reference)
     assert checkpoint_weights(killed) == checkpoint_weights(reference)
-    fetch = [m for m in metrics_of(reference) if m["stage"] == "corpus-fetch"]
+    fetch = [m for m in stable_metrics(reference) if m["stage"] == "corpus-fetch"]
     assert fetch[-1]["rejected"] > 0  # the reference drops documents in iteration 2's fetch
-    assert metrics_of(killed) == metrics_of(reference)  # rejected counts too
+    assert stable_metrics(killed) == stable_metrics(reference)  # rejected counts too
