@@ -17,16 +17,20 @@ import sys
 from pathlib import Path
 
 
-def step_summary(samples: list[dict]) -> dict:
-    """The shares of one step's samples (``finish_reason``, ``n_tokens``, ``text``, ``answer``)."""
+def step_summary(records: list[dict]) -> dict:
+    """The shares of one step's samples: cut and mean length as the run's metrics count them
+    (:func:`sptool.run.metrics.solve_metrics`), boxed (all, and the cut ones) and answered."""
+    from sptool.run.metrics import solve_metrics
+
+    samples = [s for r in records for s in r.get("samples") or []]
     cut = [s for s in samples if s.get("finish_reason") == "length"]
 
     def boxed(group: list[dict]) -> float:
         return sum("\\boxed{" in s.get("text", "") for s in group) / len(group) if group else 0.0
 
-    return {"samples": len(samples), "truncated": len(cut) / len(samples),
-            "mean_tokens": sum(s.get("n_tokens", 0) for s in samples) / len(samples),
-            "boxed": boxed(samples), "boxed_among_truncated": boxed(cut),
+    counted = solve_metrics(records)
+    return {"samples": counted["samples"], "truncated": counted["truncated_rate"],
+            "mean_tokens": counted["mean_tokens"], "boxed": boxed(samples), "boxed_among_truncated": boxed(cut),
             "with_answer": sum(s.get("answer") is not None for s in samples) / len(samples)}
 
 
@@ -36,9 +40,10 @@ def run_summary(run: Path) -> list[dict]:
     rows = []
     for step, path in enumerate(sorted(run.glob("iter-*/*solve*.jsonl")), 1):
         with path.open(encoding="utf-8") as handle:
-            samples = [s for line in handle if line.strip() for s in json.loads(line).get("samples") or []]
+            records = [json.loads(line) for line in handle if line.strip()]
+        samples = [s for r in records for s in r.get("samples") or []]
         if samples:
-            rows.append({"step": step, **step_summary(samples),
+            rows.append({"step": step, **step_summary(records),
                          "cut": [s["text"] for s in samples if s.get("finish_reason") == "length"],
                          "stopped": [s["text"] for s in samples if s.get("finish_reason") != "length"]})
     return rows
