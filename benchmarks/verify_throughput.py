@@ -10,7 +10,7 @@ clustering for the majority vote. Run:
 ``--records FILE.jsonl`` grades real solved records instead (a run's ``iter-*/NN-solve.jsonl``,
 e.g. kept by ``learning_parity.py --keep-records``): each question once in this process, timed, then
 the slowest questions with their answers, and the whole file through the stage with each
-``--workers`` count, so a slow loop step's grading can be traced to the completions that cost it.
+``--workers`` count (and each ``--vote``), so a slow loop step's grading can be traced to the completions that cost it.
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ def bare_loop(records: list[dict]) -> float:
     return time.perf_counter() - start
 
 
-def sptool_verify(records: list[dict], workers: int) -> float:
+def sptool_verify(records: list[dict], workers: int, vote: str = "always") -> float:
     from sptool.stages.verify import VerifyStage
 
-    stage = VerifyStage(workers=workers, deadline_s=60)
+    stage = VerifyStage(workers=workers, deadline_s=60, vote=vote)
     # exclude worker start-up (a one-off per stage) from the steady-state figure
     list(stage.run(iter([dict(records[0], samples=list(records[0]["samples"]))])))
     start = time.perf_counter()
@@ -67,7 +67,7 @@ def sptool_verify(records: list[dict], workers: int) -> float:
     return elapsed
 
 
-def slowest_questions(paths: list[str], workers: list[int], show: int = 5) -> None:
+def slowest_questions(paths: list[str], workers: list[int], show: int = 5, votes: tuple = ("always",)) -> None:
     """Time :func:`sptool.stages.verify.grade` per question of real solved records, then the stage."""
     import json
     import statistics
@@ -100,8 +100,8 @@ def slowest_questions(paths: list[str], workers: list[int], show: int = 5) -> No
             for answer in answers:
                 print(f"             ...{answer!r}")
         for count in workers:
-            if count:
-                print(f"  sptool verify --workers {count}: {sptool_verify(records, count):.3f} s")
+            for vote in votes if count else ():
+                print(f"  sptool verify --workers {count} --vote {vote}: {sptool_verify(records, count, vote):.3f} s")
 
 
 def main() -> None:
@@ -112,9 +112,11 @@ def main() -> None:
     parser.add_argument("--records", nargs="+", metavar="FILE.jsonl",
                         help="real solved records (a run's iter-*/NN-solve.jsonl) instead of the synthetic workload")
     parser.add_argument("--show", type=int, default=5, help="--records: the slowest questions shown per file")
+    parser.add_argument("--vote", nargs="+", default=["always"], choices=("always", "auto"),
+                        help="--records: time the stage with each (auto: no majority vote beside a reference)")
     args = parser.parse_args()
     if args.records:
-        slowest_questions(args.records, args.workers, args.show)
+        slowest_questions(args.records, args.workers, args.show, tuple(args.vote))
         return
     records = workload(args.questions, args.k)
     bare = bare_loop(records)

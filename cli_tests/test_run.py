@@ -268,6 +268,9 @@ def test_scripted_recipe_runs_every_stage(recipe, scripted_run):
         sampled = [r["id"] for r in read_jsonl(run_dir / "iter-0001" / "01-sample.jsonl")]
         assert {s for g in groups for s in g["source_ids"]} <= set(sampled) | {
             r["id"] for r in read_jsonl(run_dir / "iter-0002" / "01-sample.jsonl")}
+        # graded against the reference: the majority vote is not taken (verify.vote = auto)
+        verified = [v for v in read_jsonl(run_dir / "iter-0001" / "03-verify.jsonl") if v.get("samples")]
+        assert verified and all(v["label_source"] == "reference" and v["majority_frac"] is None for v in verified)
     elif recipe in ("rzero", "rquest"):
         assert "questioner" in roles and "solver" in roles
         # questioner and solver train separate checkpoints

@@ -196,6 +196,44 @@ def test_grade_without_reference_pseudo_labels_by_majority():
     assert result["label_source"] == "majority"
 
 
+def test_beside_a_reference_the_vote_is_taken_only_when_asked(monkeypatch):
+    """vote=False: the reference grades the samples with k comparisons and the majority vote's
+    pairwise ones are not made (math-verify is called for the reference only); the verdict is the
+    same and the vote's fields are null. Without a reference the vote is the label: always taken."""
+    texts = [r"\boxed{x+1}", r"\boxed{1+x}", r"\boxed{2x}", r"\boxed{x^2}", r"\boxed{y}"]
+    calls = verify_calls(monkeypatch)
+    voted = grade({"texts": texts, "gold": "x+1"})
+    voted_calls = len(calls)
+    calls.clear()
+    from sptool.stages import verify as verifying
+    verifying._EQUIVALENT.clear()
+    unvoted = grade({"texts": texts, "gold": "x+1", "vote": False})
+    assert unvoted["correct"] == voted["correct"] == [True, True, False, False, False]
+    assert unvoted["p_hat"] == voted["p_hat"] and unvoted["label_source"] == "reference"
+    assert voted["majority_frac"] == pytest.approx(2 / 5) and voted["n_classes"] == 4
+    assert unvoted["majority"] is None and unvoted["majority_frac"] is None and unvoted["n_classes"] is None
+    assert len(calls) == len(texts) - 1 < voted_calls  # one against the reference each (x+1 itself: none)
+    label = grade({"texts": texts, "gold": None, "vote": False})
+    assert label["majority_frac"] == pytest.approx(2 / 5) and label["label_source"] == "majority"
+
+
+def test_verify_vote_auto_leaves_the_vote_to_questions_it_labels(tmp_path):
+    labelled = {"id": "a", "question": "2*3?", "answer": "6", "samples": samples(r"\boxed{6}", r"\boxed{5}", r"\boxed{5}")}
+    unlabelled = {"id": "b", "question": "2*4?", "samples": samples(r"\boxed{8}", r"\boxed{8}", r"\boxed{9}")}
+    path = write_jsonl(tmp_path / "in.jsonl", [labelled, unlabelled])
+    auto = run_sptool("verify", "--workers", "1", "--vote", "auto", str(path))
+    assert auto.returncode == 0, auto.stderr
+    a, b = read_jsonl(auto.stdout)
+    assert [s["correct"] for s in a["samples"]] == [True, False, False] and a["p_hat"] == pytest.approx(1 / 3)
+    assert a["majority"] is None and a["majority_frac"] is None and a["verdicts"]["math"]["n_classes"] is None
+    assert b["majority"] == "8" and b["majority_frac"] == pytest.approx(2 / 3) and b["label_source"] == "majority"
+    always = run_sptool("verify", "--workers", "1", str(path))  # the command's default: every question
+    assert always.returncode == 0, always.stderr
+    assert read_jsonl(always.stdout)[0]["majority"] == "5"
+    wrong = run_sptool("verify", "--workers", "1", "--vote", "never", str(path))
+    assert wrong.returncode == 2 and "--vote" in wrong.stderr and "Traceback" not in wrong.stderr
+
+
 def test_majority_classes_largest_first_ties_by_first_occurrence():
     classes = majority_classes(["1", "2", "2", None, "1", "3", "INVALID"])
     assert classes == [[0, 4], [1, 2], [5]]

@@ -144,6 +144,9 @@ class VerifyConfig:
     deadline_s: float = setting(30.0, "seconds before a stuck grading is abandoned", above=0)
     require_boxed: bool = setting(False, "grade only an answer inside \\boxed{} (else math-verify's "
                                   "extraction too)")
+    vote: str = setting("auto", "the majority vote: auto = only where it is the label (pseudo-labels, "
+                        "no reference answer); always = beside a reference too (majority_frac in the "
+                        "metrics, at O(k²) math-verify comparisons a question)", choices=("auto", "always"))
 
 
 PRESET_CHOICES = ("", "gsm8k", "math", "aime", "numina")  # sptool.stages.problemsets.columns.PRESETS, kept light here

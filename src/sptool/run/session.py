@@ -289,7 +289,7 @@ class Session(Training):
         if self._verifier is None:
             v = self.settings.verify
             self._verifier = VerifyStage(workers=v.workers, deadline_s=v.deadline_s,
-                                         require_boxed=v.require_boxed)
+                                         require_boxed=v.require_boxed, vote=v.vote)
         self._verifier.pseudo_label = pseudo_label
         return self._verifier
 

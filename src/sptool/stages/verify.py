@@ -430,22 +430,31 @@ def _task_scorer_answers(texts: list[str], scorer: dict, require_boxed: bool):
 
 
 def grade(task: dict) -> dict:
-    """Grade one solved question: ``{"texts": [...], "gold": str|None, "require_boxed": bool}``
-    → verdict fields."""
+    """Grade one solved question: ``{"texts": [...], "gold": str|None, "require_boxed": bool,
+    "vote": bool}`` → verdict fields.
+
+    ``vote`` (default true): also take the majority vote when a reference answer grades the
+    samples. Without a reference the vote is the label and is always taken. Beside a reference it
+    is only a statistic (``majority``, ``majority_frac``, ``n_classes``; null when not taken), and
+    its O(k²) pairwise math-verify comparisons between wrong answers are most of the grading time
+    (95-97% of a learning policy's steps in the rlvr loop)."""
     texts: list[str] = task["texts"]
     gold: str | None = task["gold"]
     k = len(texts)
     require_boxed = task.get("require_boxed", False)
+    vote = gold is None or task.get("vote", True)
     if task.get("scorer"):  # a reasoning-gym task that is not graded by math-verify
         answers, boxed, classes, is_correct = _task_scorer_answers(texts, task["scorer"], require_boxed)
         graded = answers
+        if not vote:
+            classes = None
     else:
         finals = [final_answer(text, require_boxed=require_boxed) for text in texts]
         answers = [final.text if final else None for final in finals]
         boxed = [bool(final and final.boxed) for final in finals]
         settled = [settled_answer(final) for final in finals]
         graded = [final.text if final else None for final in settled]  # the majority: "85", not "47 + 38 = 85"
-        classes = majority_classes(settled)
+        classes = majority_classes(settled) if vote else None
         reference = settled_answer(boxed_answer(gold)) if gold is not None else None
 
         def is_correct(index: int) -> bool:
@@ -455,6 +464,7 @@ def grade(task: dict) -> dict:
 
     majority_members = set(classes[0]) if classes else set()
     majority = graded[classes[0][0]] if classes else None
+    majority_frac = None if classes is None else len(majority_members) / k if k else 0.0
     if gold is not None:
         correct = [is_correct(index) for index in range(k)]
         label_source = "reference"
@@ -469,15 +479,17 @@ def grade(task: dict) -> dict:
         "p_hat": p_hat,
         "var": empirical_variance(p_hat),
         "majority": majority,
-        "majority_frac": len(majority_members) / k if k else 0.0,
+        "majority_frac": majority_frac,
         "invalid_frac": sum(a == INVALID for a in answers) / k if k else 0.0,
-        "n_classes": len(classes),
+        "n_classes": None if classes is None else len(classes),
         "label_source": label_source,
     }
 
 
 # ---------------------------------------------------------------- the stage
 
+#: when the majority vote is taken: every question, or only where it makes the label
+VOTES = ("always", "auto")
 SUMMARY_FIELDS = ("p_hat", "var", "majority", "majority_frac", "invalid_frac", "n_classes",
                   "label_source")
 
@@ -487,6 +499,11 @@ class VerifyStage(Stage):
 
     ``require_boxed``: only ``\\boxed{}`` answers count (no fallback to math-verify's extraction).
 
+    ``vote``: ``always`` takes the majority vote of every question; ``auto`` only where it makes
+    the label (``pseudo_label``, or a question without a reference answer). Beside a reference the
+    vote is a statistic whose pairwise comparisons cost most of the grading; under ``auto`` its
+    fields (``majority``, ``majority_frac``, ``n_classes``) are null there.
+
     A question whose grading overruns ``deadline_s`` is emitted with ``verify_error`` (and null
     statistics) instead of hanging the stage.
     """
@@ -495,8 +512,11 @@ class VerifyStage(Stage):
     input_kind = SOLVED
 
     def __init__(self, *, workers: int = 2, deadline_s: float = 30.0, pseudo_label: bool = False,
-                 require_boxed: bool = False):
+                 require_boxed: bool = False, vote: str = "always"):
         super().__init__()
+        if vote not in VOTES:
+            raise ValueError(f"vote: expected one of {', '.join(VOTES)}, got {vote!r}")
+        self.vote = vote
         self.pool = DeadlinePool(grade, workers=workers, deadline_s=deadline_s, warmup=warm_up)
         self.pseudo_label = pseudo_label
         self.require_boxed = require_boxed
@@ -504,7 +524,7 @@ class VerifyStage(Stage):
     def _task(self, record: dict) -> dict:
         gold = None if self.pseudo_label else answer_text(record.get("answer"))
         task = {"texts": [sample["text"] for sample in record["samples"]], "gold": gold,
-                "require_boxed": self.require_boxed}
+                "require_boxed": self.require_boxed, "vote": self.vote == "always"}
         if record.get("grader") == "reasoning-gym" and isinstance(record.get("task"), str):
             gym = record.get("gym") if isinstance(record.get("gym"), dict) else {}
             task["scorer"] = {"task": record["task"], "config": gym.get("config") or {},
