@@ -126,6 +126,9 @@ SPTOOL_ARMS = {
     # ... with Python's garbage collector scanning everything again (run.gc_freeze, on by default, off)
     "sptool-step-capture-no-gc-freeze": {"model.decoder": "step", "model.decode_attention": "grouped",
                                          "model.step_graph": "capture", "run.gc_freeze": False},
+    # ... with the majority vote taken beside the reference answer too (verify.vote, auto by default)
+    "sptool-step-capture-vote-always": {"model.decoder": "step", "model.decode_attention": "grouped",
+                                        "model.step_graph": "capture", "verify.vote": "always"},
     "sptool-bf16-split-step": {"train.mixed_precision": "bf16", "model.dtype": "bf16", "train.old_logprobs": "trainer",
                                "train.weight_rounding": "split", "model.decoder": "step",
                                "model.decode_attention": "grouped"},
