@@ -6,6 +6,7 @@ model shared by the module)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 
@@ -562,6 +563,10 @@ def test_a_captured_step_keeps_its_buffers_per_cache_and_is_made_again_when_a_we
             super().__init__(*args, **kwargs)
             made.append(self)
 
+        @staticmethod
+        def memory_pool():
+            return object()  # a pool handle of its own, as torch.cuda.graph_pool_handle() gives
+
     options = dict(backend="aot_eager", dynamic=False)
     captured = HFBackend.from_model(eager.model, eager.tokenizer, model_id="tiny", batch_size=8, decoder="step")
     captured._step_decoder = StepDecoder(eager.model, compile=True, compile_options=options, graph="capture",
@@ -580,6 +585,7 @@ def test_a_captured_step_keeps_its_buffers_per_cache_and_is_made_again_when_a_we
     assert len(made) == 1  # the same cache and variant: the kept step
     sampled = captured.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))
     assert len(made) == 2 and all(len(row) == 2 for row in sampled)  # another variant: its own step
+    assert made[1].pool is made[0].pool  # every graph of a decoder in one memory pool
     weight = eager.model.model.layers[2].mlp.down_proj.weight
     saved = weight.detach().clone()
     try:
@@ -592,9 +598,16 @@ def test_a_captured_step_keeps_its_buffers_per_cache_and_is_made_again_when_a_we
         weight.data = weight.detach().clone()  # replaced: a captured graph would read the old memory
         assert tokens_of(captured.generate(PROMPTS, 2, greedy)) == scaled
         assert len(made) == 3 and made[2].outputs is not None
+        assert made[2].pool is made[0].pool  # the sampled variant's graph still uses the pool
     finally:
         with torch.no_grad():
             weight.copy_(saved)
+    # every cache dropped (room for another stage's): their graphs go, and with the last graph a
+    # CUDA pool: the next capture takes a new pool (torch asserts on a capture into the old handle)
+    captured.release_caches()
+    gc.collect()
+    assert tokens_of(captured.generate(PROMPTS, 2, greedy)) == first
+    assert len(made) == 4 and made[3].pool is not made[0].pool
     with pytest.raises(ValueError, match="unknown step graph"):
         StepDecoder(eager.model, graph="trees")
 
@@ -739,7 +752,8 @@ def test_a_captured_step_draws_new_noise_each_replay_and_a_seed_repeats_on_gpu()
     """CUDA: sptool's own CUDA graph of a step (``graph="capture"``) samples as a seeded sampler
     should. Each replay draws new noise: a graph that replayed its capture's draw would give every
     step of a row one fixed exponential race. A seed draws the same in the call that captures (its
-    warm-up calls draw too) as in a call that replays; another seed draws otherwise."""
+    warm-up calls draw too) as in a call that replays; another seed draws otherwise, and again
+    after every cache (and with them every graph) was dropped."""
     import torch
 
     if not torch.cuda.is_available():
@@ -773,6 +787,13 @@ def test_a_captured_step_draws_new_noise_each_replay_and_a_seed_repeats_on_gpu()
     assert tokens_of(captured.generate(PROMPTS, 3, params)) == drawn  # replays
     other = SamplingParams(temperature=1.0, max_new_tokens=24, seed=4, logprobs=True)
     assert tokens_of(captured.generate(PROMPTS, 3, other)) != drawn
+    assert captured.decoding == "step-compiled"
+    # every cache dropped (room for another stage's) takes the graphs and their memory pool with
+    # it: the next call captures into a new pool (into the old one's handle torch's allocator
+    # asserts: the 0.6B stages' benchmark run of 2026-12-07), and draws as before
+    captured.release_caches()
+    gc.collect()
+    assert tokens_of(captured.generate(PROMPTS, 3, params)) == drawn
     assert captured.decoding == "step-compiled"
     eager.close()
 

@@ -585,12 +585,20 @@ class StepDecoder:
         steps = self._captured.setdefault(cache, {})
         captured = steps.get(variant)
         if captured is None or captured.stale():
-            if self._pool is None:
+            steps.pop(variant, None)  # a stale step's graph is on its way out: no user of the pool
+            if self._pool is None or not self._pool_in_use():
+                # a CUDA graphs' memory pool lives while a graph captured into it does: once the last
+                # one is gone (its cache dropped for room), torch refuses a capture into the pool's
+                # old handle (an internal assert in the caching allocator), so a new pool begins
                 self._pool = self.captured_step.memory_pool()
             weights = [*self.model.parameters(), *self.model.buffers()]
             captured = steps[variant] = self.captured_step(self._step, cache, inputs, constants, weights,
                                                            pool=self._pool)
         return captured
+
+    def _pool_in_use(self) -> bool:
+        """Whether a kept step has captured its graph (into the decoder's pool)."""
+        return any(step.outputs is not None for steps in list(self._captured.values()) for step in steps.values())
 
     @staticmethod
     def _check(tokens, finished, lengths, real_rows: int, columns: int, stop_check, stopped: set[int]) -> bool:
