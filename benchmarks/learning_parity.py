@@ -142,7 +142,8 @@ for _name, _sets in SPTOOL_ARMS.items():
         _sets.setdefault("train.weight_rounding", "nearest")
 #: the per-update numbers of the sptool arms (their run's metrics.jsonl), per step and in the report
 UPDATE_METRICS = ("ratio_mean", "ratio_std", "ratio_max", "ratio_min", "clip_fraction", "logprob_gap",
-                  "logprob_gap_rms", "logprob_gap_max", "tis_weight_mean", "tis_capped_fraction")
+                  "logprob_gap_rms", "logprob_gap_max", "tis_weight_mean", "tis_capped_fraction",
+                  "graphs_compiled")
 ARMS = ("bare", "trl", *SPTOOL_ARMS)
 TASKS = {
     "sums": {"train": "fixtures/addition_train.jsonl", "heldout": "fixtures/bench/addition_heldout_300.jsonl",
@@ -321,6 +322,8 @@ class Recorder:
             shown += f"; checkpoint copy {checkpoint:.2f}, not counted"
         if extra.get("gc_s") is not None:
             shown += f"; of which garbage collection {extra['gc_s']:.2f}"
+        if extra.get("graphs_compiled"):
+            shown += f"; the update compiled {extra['graphs_compiled']} graphs"
         reward_text = f" reward {extra['mean_reward']:.3f}" if extra.get("mean_reward") is not None else ""
         print(f"[{self.arm}{self.tag}] step {step}/{self.settings.steps}: {total:.2f} s ({shown}){reward_text}",
               file=sys.stderr, flush=True)

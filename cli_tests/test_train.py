@@ -396,6 +396,32 @@ def test_direction_rewarded_up_penalised_down_and_zero_advantage_noop(random_mod
     assert all(torch.equal(snapshot[k], v) for k, v in trainer.model.state_dict().items())
 
 
+def test_an_update_counts_the_graphs_torch_compile_made_for_it(random_model_dir, monkeypatch):
+    """``graphs_compiled``: what an update's compiles were (a new micro-batch shape, a recompile), so
+    that a slow GPU step can be told from one that compiled. Here the layers are compiled by
+    dynamo's ``eager`` backend (no inductor on the CPU): the first update makes graphs, the same
+    update again none; a trainer that compiles nothing says 0."""
+    import torch
+
+    from sptool.train import step as step_module
+
+    def compile_eagerly(model, log):
+        layers = list(model.model.layers)
+        for layer in layers:
+            layer.compile(backend="eager")
+        return layers
+
+    groups = [{"prompt": [{"role": "user", "content": "Answer yes or no."}],
+               "completions": ["yes indeed", "no way"], "rewards": [1.0, 0.0]}]
+    plain = make_trainer(random_model_dir, learning_rate=1e-4)
+    assert plain.update(groups)["graphs_compiled"] == 0
+    monkeypatch.setattr(step_module, "_compile_decoder_layers", compile_eagerly)
+    torch._dynamo.reset()
+    compiled = make_trainer(random_model_dir, learning_rate=1e-4, compile=True)
+    assert compiled.compiled_layers and compiled.update(groups)["graphs_compiled"] >= 1
+    assert compiled.update(groups)["graphs_compiled"] == 0
+
+
 def test_old_logprobs_equal_to_current_give_the_ratio_one_update(random_model_dir):
     """Clipped surrogate with π_old = π_θ is the plain policy gradient; an off-policy π_old changes it."""
     base = make_trainer(random_model_dir, learning_rate=1e-3, loss="grpo")

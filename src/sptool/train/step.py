@@ -387,6 +387,7 @@ class PolicyTrainer(PolicyModel):
         config = self.config
         accelerator = self.accelerator
         start = time.perf_counter()
+        graphs_before = self._graphs_compiled()
         world, rank = accelerator.num_processes, accelerator.process_index
         lengths = [len(seq.completion_ids) for seq in sequences]
         if config.objective.aggregation == "global_constant" and config.max_completion_tokens is None \
@@ -451,7 +452,19 @@ class PolicyTrainer(PolicyModel):
         if nothing_to_learn:
             sums["completion_tokens"] = float(sum(lengths))
             sums["tokens"] = float(sum(seq.length for seq in sequences))
-        return self._metrics(sequences, sums, seconds, grad_norm, n_micro, nothing_to_learn)
+        metrics = self._metrics(sequences, sums, seconds, grad_norm, n_micro, nothing_to_learn)
+        metrics["graphs_compiled"] = self._graphs_compiled() - graphs_before
+        return metrics
+
+    def _graphs_compiled(self) -> int:
+        """Graphs ``torch.compile`` has made in this process so far (dynamo's count; 0 when the
+        trainer compiles nothing). An update that makes some paid for a compile: a new shape of
+        its micro-batches, a recompile."""
+        if not (self.compiled_layers or self.kernels_compiled):
+            return 0
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
 
     def _micro_batch_loss(self, batch: Sequence[TrainSequence], weights: Sequence[float]):
         """Loss of one micro-batch (a tensor to backpropagate) and its 7 summed statistics.
