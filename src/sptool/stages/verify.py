@@ -437,7 +437,8 @@ def grade(task: dict) -> dict:
     samples. Without a reference the vote is the label and is always taken. Beside a reference it
     is only a statistic (``majority``, ``majority_frac``, ``n_classes``; null when not taken), and
     its O(k²) pairwise math-verify comparisons between wrong answers are most of the grading time
-    (95-97% of a learning policy's steps in the rlvr loop)."""
+    (an rlvr loop's step on an H100, 64 questions × 8 samples: 1.72 s in one process with the vote,
+    0.55 s without)."""
     texts: list[str] = task["texts"]
     gold: str | None = task["gold"]
     k = len(texts)
