@@ -48,12 +48,14 @@ def test_learning_parity_cpu_smoke_runs_bare_and_sptool_arms(tmp_path):
 
 def test_verify_throughput_times_grading_on_a_runs_solve_records():
     """``verify_throughput.py --records``: every question of real solved records graded once in this
-    process and timed, the slowest shown with their completions, then the file through the stage."""
+    process and timed, the slowest shown with their completions, then the file through the stage,
+    with the majority vote and without it."""
     records = REPO / "fixtures" / "verified_svs.jsonl"
     questions = sum(1 for line in records.read_text().splitlines() if line.strip() and json.loads(line)["samples"])
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "verify_throughput.py"), "--records", str(records),
-         "--workers", "1", "--show", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+         "--workers", "1", "--show", "1", "--vote", "always", "auto"], capture_output=True, text=True, timeout=300,
+        cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"{records}: {questions} questions, ") and "grading in one process" in lines[0]
@@ -61,7 +63,9 @@ def test_verify_throughput_times_grading_on_a_runs_solve_records():
     assert len(shown) == 1
     after = lines[lines.index(shown[0]) + 1:lines.index(shown[0]) + 5]  # its 4 completions' ends
     assert len(after) == 4 and all(line.startswith("             ...'") and "boxed{" in line for line in after)
-    assert lines[-1].startswith("  sptool verify --workers 1: ") and lines[-1].endswith(" s")
+    # the stage with the vote beside the reference answer and without it (verify.vote)
+    assert lines[-2].startswith("  sptool verify --workers 1 --vote always: ") and lines[-2].endswith(" s")
+    assert lines[-1].startswith("  sptool verify --workers 1 --vote auto: ") and lines[-1].endswith(" s")
 
 
 def test_kept_samples_gives_each_steps_truncated_boxed_and_answered_shares(tmp_path):
