@@ -75,6 +75,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parent.parent
 # sptool arms: the extra --set values of each (train.mixed_precision: the trainer's autocast;
 # model.dtype: the precision the generator sharing the trainer's policy samples in)
+#: the step decoder with grouped decode attention and sptool's own CUDA graph per KV cache
+CAPTURED_STEP = {"model.decoder": "step", "model.decode_attention": "grouped", "model.step_graph": "capture"}
 SPTOOL_ARMS = {
     "sptool": {},
     "sptool-fp32": {"train.mixed_precision": "no", "model.dtype": "fp32"},
@@ -121,14 +123,11 @@ SPTOOL_ARMS = {
     # sampler (bf16 prefill and GEMMs, a bf16 KV cache), the path to 5x bare generate in greedy eval
     "sptool-step": {"model.decoder": "step", "model.decode_attention": "grouped"},
     # ... with sptool's own CUDA graph per KV cache (model.step_graph = capture): one replay a token
-    "sptool-step-capture": {"model.decoder": "step", "model.decode_attention": "grouped",
-                            "model.step_graph": "capture"},
+    "sptool-step-capture": dict(CAPTURED_STEP),
     # ... with Python's garbage collector scanning everything again (run.gc_freeze, on by default, off)
-    "sptool-step-capture-no-gc-freeze": {"model.decoder": "step", "model.decode_attention": "grouped",
-                                         "model.step_graph": "capture", "run.gc_freeze": False},
+    "sptool-step-capture-no-gc-freeze": {**CAPTURED_STEP, "run.gc_freeze": False},
     # ... with the majority vote taken beside the reference answer too (verify.vote, auto by default)
-    "sptool-step-capture-vote-always": {"model.decoder": "step", "model.decode_attention": "grouped",
-                                        "model.step_graph": "capture", "verify.vote": "always"},
+    "sptool-step-capture-vote-always": {**CAPTURED_STEP, "verify.vote": "always"},
     "sptool-bf16-split-step": {"train.mixed_precision": "bf16", "model.dtype": "bf16", "train.old_logprobs": "trainer",
                                "train.weight_rounding": "split", "model.decoder": "step",
                                "model.decode_attention": "grouped"},

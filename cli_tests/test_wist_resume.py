@@ -20,8 +20,6 @@ WIST_KILL_POINTS = ["1/corpus-fetch:start", "1/challenge:mid", "1/train:train-do
                     "2/train:checkpoint", "2/posterior-update:done"]
 
 
-
-
 @pytest.mark.slow  # like test_run's kill-resume tests: 7 runs of the 1-layer random policy, ~3.5 min on 2 busy cores
 @shares_run("wist")
 def test_wist_sigkill_at_every_hook_point_then_resume_equals_uninterrupted_run(tmp_path, random_policy,
