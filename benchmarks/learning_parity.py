@@ -128,6 +128,8 @@ SPTOOL_ARMS = {
     "sptool-step-capture-no-gc-freeze": {**CAPTURED_STEP, "run.gc_freeze": False},
     # ... with the majority vote taken beside the reference answer too (verify.vote, auto by default)
     "sptool-step-capture-vote-always": {**CAPTURED_STEP, "verify.vote": "always"},
+    # ... with torch's allocator in expandable segments (ARM_ENVIRONMENT)
+    "sptool-step-capture-expandable": dict(CAPTURED_STEP),
     "sptool-bf16-split-step": {"train.mixed_precision": "bf16", "model.dtype": "bf16", "train.old_logprobs": "trainer",
                                "train.weight_rounding": "split", "model.decoder": "step",
                                "model.decode_attention": "grouped"},
@@ -139,10 +141,16 @@ for _name, _sets in SPTOOL_ARMS.items():
     if _sets.get("train.mixed_precision") in ("bf16", "fp16"):
         _sets.setdefault("train.old_logprobs", "sampler")
         _sets.setdefault("train.weight_rounding", "nearest")
+#: environment variables an sptool arm's ``sptool run`` starts with (read before CUDA starts).
+#: Expandable segments: torch's caching allocator maps pages into one growing segment instead of
+#: one ``cudaMalloc`` a block; the captured step's training took 0.66-1.43 s a step on identical
+#: records (issue 33), and this arm, with the updates' allocator counts, shows whether the
+#: allocator's ``cudaMalloc``/``cudaFree`` beside the graphs' memory pools is the cause.
+ARM_ENVIRONMENT = {"sptool-step-capture-expandable": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}}
 #: the per-update numbers of the sptool arms (their run's metrics.jsonl), per step and in the report
 UPDATE_METRICS = ("ratio_mean", "ratio_std", "ratio_max", "ratio_min", "clip_fraction", "logprob_gap",
                   "logprob_gap_rms", "logprob_gap_max", "tis_weight_mean", "tis_capped_fraction",
-                  "graphs_compiled")
+                  "graphs_compiled", "alloc_retries", "device_mallocs", "device_frees")
 ARMS = ("bare", "trl", *SPTOOL_ARMS)
 TASKS = {
     "sums": {"train": "fixtures/addition_train.jsonl", "heldout": "fixtures/bench/addition_heldout_300.jsonl",
@@ -323,6 +331,9 @@ class Recorder:
             shown += f"; of which garbage collection {extra['gc_s']:.2f}"
         if extra.get("graphs_compiled"):
             shown += f"; the update compiled {extra['graphs_compiled']} graphs"
+        if extra.get("alloc_retries") or extra.get("device_mallocs") or extra.get("device_frees"):
+            shown += (f"; its allocator: {extra.get('device_mallocs')} cudaMalloc, {extra.get('device_frees')} "
+                      f"cudaFree, {extra.get('alloc_retries')} retries")
         reward_text = f" reward {extra['mean_reward']:.3f}" if extra.get("mean_reward") is not None else ""
         print(f"[{self.arm}{self.tag}] step {step}/{self.settings.steps}: {total:.2f} s ({shown}){reward_text}",
               file=sys.stderr, flush=True)
@@ -598,8 +609,10 @@ def run_sptool(settings: Settings, recorder: Recorder, workdir: Path, arm: str =
     for key, value in sets.items():
         command += ["--set", f"{key}={json.dumps(value) if isinstance(value, (str, bool, list)) else value}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", **ARM_ENVIRONMENT.get(arm, {}))
     recorder.notes["command"] = " ".join(command)
+    if arm in ARM_ENVIRONMENT:
+        recorder.notes["environment"] = ARM_ENVIRONMENT[arm]
     starts: dict[int, float] = {}
     done: dict[int, float] = {}  # when each iteration's latest stage finished (its "records in" line)
     began = time.perf_counter()

@@ -95,3 +95,32 @@ def test_the_report_gives_each_arms_share_of_samples_cut_at_the_token_limit(tmp_
     assert shares["arms"]["sptool"]["1"]["values"] == [0.41, 0.43]
     row = next(line for line in text.splitlines() if line.startswith("sptool (2)") and "/" in line)
     assert row.split()[2:] == ["0.42", "(0.41/0.43)", "0.25", "(0.30/0.20)"]
+
+
+def test_an_arms_environment_reaches_its_sptool_run_and_the_others_start_without_it(tmp_path, monkeypatch):
+    """``ARM_ENVIRONMENT``: the expandable-segments arm's ``sptool run`` starts with
+    ``PYTORCH_CUDA_ALLOC_CONF`` set (it must be set before CUDA starts), with the captured step's
+    settings; the other arms start with the caller's environment. Stopped at the process start."""
+    started = {}
+
+    class Started(Exception):
+        pass
+
+    def popen(command, env, **options):
+        started.update(command=command, env=env)
+        raise Started
+
+    monkeypatch.setattr(learning_parity.subprocess, "Popen", popen)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    settings = learning_parity.Settings(device="cpu", steps=1, problems=2, samples=2, max_tokens=4, lr=1e-5,
+                                        seed=0, eval_every=0, micro_batch=2)
+    for arm, expected in (("sptool-step-capture-expandable", "expandable_segments:True"),
+                          ("sptool-step-capture", None)):
+        recorder = learning_parity.Recorder(arm, settings)
+        try:
+            learning_parity.run_sptool(settings, recorder, tmp_path / arm, arm)
+        except Started:
+            pass
+        assert started["env"].get("PYTORCH_CUDA_ALLOC_CONF") == expected, arm
+        assert "model.step_graph=\"capture\"" in started["command"], arm
+        assert recorder.notes.get("environment") == ({"PYTORCH_CUDA_ALLOC_CONF": expected} if expected else None)

@@ -494,6 +494,9 @@ def test_a_cuda_update_syncs_the_host_only_at_its_end(random_policy):
     assert metrics["micro_batches"] >= 2, metrics
     assert not [place for place in syncs if place.startswith("masking_utils.py")], syncs
     assert len(syncs) <= 4, syncs
+    # the allocator's counts (read inside the watched update, so without a sync of their own)
+    assert all(isinstance(metrics[key], int) and metrics[key] >= 0
+               for key in ("alloc_retries", "device_mallocs", "device_frees")), metrics
     AcceleratorState._reset_state(True)
 
 

@@ -422,6 +422,38 @@ def test_an_update_counts_the_graphs_torch_compile_made_for_it(random_model_dir,
     assert compiled.update(groups)["graphs_compiled"] == 0
 
 
+def test_an_update_reports_what_the_cuda_allocator_did_during_it(random_model_dir, monkeypatch):
+    """``alloc_retries``, ``device_mallocs``, ``device_frees``: the change of torch's caching-allocator
+    counters over one update (a slow GPU step that paid for ``cudaMalloc``/``cudaFree`` shows it);
+    None on a CPU. The counters are read from ``torch.cuda.memory_stats`` by name."""
+    import torch
+
+    from sptool.train import model as model_module
+    from sptool.train import step as step_module
+
+    groups = [{"prompt": [{"role": "user", "content": "Answer yes or no."}],
+               "completions": ["yes indeed", "no way"], "rewards": [1.0, 0.0]}]
+    trainer = make_trainer(random_model_dir, learning_rate=1e-4)
+    metrics = trainer.update(groups)
+    assert {key: metrics[key] for key in ("alloc_retries", "device_mallocs", "device_frees")} == dict.fromkeys(
+        ("alloc_retries", "device_mallocs", "device_frees"))
+
+    # on CUDA: torch's counters by name, read without touching the device
+    asked = []
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: asked.append(device) or {
+        "num_alloc_retries": 2, "num_device_alloc": 7, "num_device_free": 5, "allocated_bytes.all.peak": 1})
+    cuda = torch.device("cuda", 0)
+    assert model_module.cuda_allocator_counts(cuda) == {"alloc_retries": 2, "device_mallocs": 7, "device_frees": 5}
+    assert asked == [cuda] and model_module.cuda_allocator_counts(torch.device("cpu")) is None
+
+    # an update's figures are the change between its start and its end
+    readings = iter([{"alloc_retries": 1, "device_mallocs": 40, "device_frees": 3},
+                     {"alloc_retries": 2, "device_mallocs": 46, "device_frees": 3}])
+    monkeypatch.setattr(step_module, "cuda_allocator_counts", lambda device: next(readings))
+    metrics = trainer.update(groups)
+    assert (metrics["alloc_retries"], metrics["device_mallocs"], metrics["device_frees"]) == (1, 6, 0)
+
+
 def test_old_logprobs_equal_to_current_give_the_ratio_one_update(random_model_dir):
     """Clipped surrogate with π_old = π_θ is the plain policy gradient; an off-policy π_old changes it."""
     base = make_trainer(random_model_dir, learning_rate=1e-3, loss="grpo")

@@ -89,6 +89,34 @@ def peak_memory_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+#: torch's caching-allocator counters an update reports the change of: ``alloc_retries`` (a request
+#: the cached blocks could not serve: the allocator synchronised the device, released its cached
+#: blocks and called ``cudaMalloc`` again) and ``device_mallocs`` / ``device_frees`` (calls of
+#: ``cudaMalloc`` / ``cudaFree``; each ``cudaFree`` synchronises the device).
+ALLOCATOR_COUNTERS = {"alloc_retries": "num_alloc_retries", "device_mallocs": "num_device_alloc",
+                      "device_frees": "num_device_free"}
+
+
+def cuda_allocator_counts(device) -> dict[str, int] | None:
+    """The caching allocator's event counts on a CUDA ``device`` so far (:data:`ALLOCATOR_COUNTERS`);
+    None elsewhere. Host-side counters: reading them waits for nothing."""
+    if not getattr(device, "type", str(device)).startswith("cuda"):
+        return None
+    import torch
+
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(key, 0)) for name, key in ALLOCATOR_COUNTERS.items()}
+
+
+def allocator_events(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int | None]:
+    """What the allocator did between two :func:`cuda_allocator_counts`: each counter's change, None
+    off CUDA. An update that paid for ``cudaMalloc``/``cudaFree`` or a retry shows it here (the
+    captured step decoder's graph pools hold memory beside the trainer's; issue 33)."""
+    if before is None or after is None:
+        return {name: None for name in ALLOCATOR_COUNTERS}
+    return {name: after[name] - before[name] for name in ALLOCATOR_COUNTERS}
+
+
 class PolicyModel:
     """What :class:`~sptool.train.step.PolicyTrainer` does with its model besides the update:
     loading the policy and the KL reference (LoRA, compile, head bypass), log-probabilities,

@@ -35,7 +35,7 @@ from sptool.train.config import (  # noqa: F401 - re-exported: sptool.train.step
     TrainConfig, TrainSequence, plan_micro_batches)
 from sptool.train.model import (  # noqa: F401 - re-exported: sptool.train.step's API
     PolicyModel, _LOGIT_TRANSFORMS, _bypassed, _one_sequence_a_row, _compile_decoder_layers, _identity, _uncompile,
-    peak_memory_mb)
+    allocator_events, cuda_allocator_counts, peak_memory_mb)
 
 
 #: the trainer's autocast precision on CUDA when none is asked for. bf16 with stochastic weight
@@ -388,6 +388,7 @@ class PolicyTrainer(PolicyModel):
         accelerator = self.accelerator
         start = time.perf_counter()
         graphs_before = self._graphs_compiled()
+        allocator_before = cuda_allocator_counts(self.device)
         world, rank = accelerator.num_processes, accelerator.process_index
         lengths = [len(seq.completion_ids) for seq in sequences]
         if config.objective.aggregation == "global_constant" and config.max_completion_tokens is None \
@@ -454,6 +455,7 @@ class PolicyTrainer(PolicyModel):
             sums["tokens"] = float(sum(seq.length for seq in sequences))
         metrics = self._metrics(sequences, sums, seconds, grad_norm, n_micro, nothing_to_learn)
         metrics["graphs_compiled"] = self._graphs_compiled() - graphs_before
+        metrics.update(allocator_events(allocator_before, cuda_allocator_counts(self.device)))
         return metrics
 
     def _graphs_compiled(self) -> int:
