@@ -513,6 +513,33 @@ def test_collector_clock_times_the_garbage_collections_inside_it():
     assert after > 0 and clock.seconds == after and clock not in gc.callbacks
 
 
+def test_a_later_step_copies_an_output_from_the_lines_written_for_it(cli, tmp_path, random_policy, monkeypatch):
+    """The driver keeps each step's JSONL lines as the run directory wrote them: a later step's copy
+    of that output is parsed from them (what a resumed run reads back), fresh records each time,
+    and the records are not serialised a second time for it."""
+    from sptool.run import steps as steps_module
+
+    serialised, copied = [], []
+    monkeypatch.setattr(steps_module, "json_copy", lambda records: serialised.append(len(records)))
+    copy = steps_module.WrittenOutput.copy
+
+    def watched(self):
+        records = copy(self)  # the stage that asked may change them: compared as they are now
+        fresh = all(mine is not kept for mine, kept in zip(records, self.records))
+        copied.append((json.dumps(records), json.dumps(self.records), fresh, self.lines))
+        return records
+
+    monkeypatch.setattr(steps_module.WrittenOutput, "copy", watched)
+    run_dir = tmp_path / "rlvr"
+    result = cli(scripted_args("rlvr", run_dir, random_policy))
+    assert result.exit_code == 0, result.stderr
+    assert serialised == [] and len(copied) >= 6  # solve, verify, filter in each of 2 iterations
+    written = {path.read_text(encoding="utf-8") for path in run_dir.glob("iter-*/*.jsonl")}
+    for records, kept, fresh, lines in copied:
+        assert "".join(line + "\n" for line in lines) in written
+        assert json.loads(records) == json.loads(kept) and fresh
+
+
 def test_gc_freeze_after_the_first_iteration_by_default(cli, tmp_path, random_policy, monkeypatch):
     """``run.gc_freeze`` (on by default): once the first iteration has loaded everything, one
     collection and ``gc.freeze()``, and ``gc.unfreeze()`` when the run ends; off, neither."""

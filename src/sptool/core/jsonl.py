@@ -305,12 +305,15 @@ class AtomicJsonlWriter:
             self._raw = None
         return self
 
-    def write(self, record: Any) -> None:
+    def write(self, record: Any) -> str:
+        """Write one record; returns its line (without the newline)."""
         assert self._handle is not None, "use AtomicJsonlWriter as a context manager"
-        self._handle.write(dumps(record) + "\n")
+        line = dumps(record)
+        self._handle.write(line + "\n")
         self.count += 1
         if self.path is None and self.count % self._flush_every == 0:
             self._handle.flush()
+        return line
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.path is None:

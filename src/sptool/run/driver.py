@@ -23,7 +23,7 @@ from sptool.core.records import RuntimeFailure
 from sptool.run import watch
 from sptool.run.metrics import step_metrics
 from sptool.run.run_dir import MANIFEST, StepKey  # noqa: F401 - MANIFEST is part of the API
-from sptool.run.steps import Step, StepContext, run_step, stage_seed
+from sptool.run.steps import Step, StepContext, WrittenOutput, run_step, stage_seed
 
 Event = Callable[[dict], None]
 
@@ -145,11 +145,10 @@ class RunDriver:
                         if step.metrics_kind == "health":
                             self._check_health(iteration, outputs[step.name]())
                         continue
-                    records = self._run_step(step, key, iteration, index, len(steps), outputs)
-                    outputs[step.name] = (lambda r=records: r)
+                    outputs[step.name] = written = self._run_step(step, key, iteration, index, len(steps), outputs)
                     ran += 1
                     if step.metrics_kind == "health":
-                        self._check_health(iteration, records)
+                        self._check_health(iteration, written())
         finally:
             if frozen:
                 gc.unfreeze()
@@ -195,7 +194,7 @@ class RunDriver:
                                    f"thresholds or run.stop_on_collapse and --resume")
 
     def _run_step(self, step: Step, key: str, iteration: int, index: int, total: int,
-                  outputs: dict) -> list[dict]:
+                  outputs: dict) -> WrittenOutput:
         self.emit({"event": "stage", "stage": key, "iteration": iteration, "index": index, "total": total})
         faults.kill_point(key, "start")
         seed = stage_seed(self.session.settings.run.seed, iteration, step.name)
@@ -206,9 +205,10 @@ class RunDriver:
             kind = step.metrics_kind
             records, contaminated = watch.screen(self.settings, ctx, kind, records)
         wall = time.monotonic() - begin
+        lines: list[str] = []
         entry = self.run_dir.write_step(key, kind, records, seed=seed, rejects=ctx.rejects,
                                         documents={name: doc for name, (doc, _) in ctx.documents.items()},
-                                        before_rename=lambda: faults.kill_point(key, "save"))
+                                        before_rename=lambda: faults.kill_point(key, "save"), lines=lines)
         metrics: dict[str, Any] = step_metrics(kind, records)
         for name, (_, summary) in ctx.documents.items():
             if summary is not None:
@@ -224,7 +224,7 @@ class RunDriver:
         faults.kill_point(key, "done")
         self.emit({"event": "stage-done", "stage": key, "iteration": iteration, "records": len(records),
                    "wall_s": wall, "metrics": metrics})
-        return records
+        return WrittenOutput(records, lines)
 
 
 def stage_precisions(config: dict) -> dict[str, str]:

@@ -89,11 +89,15 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def write_jsonl(path: Path, records: Iterable[dict], before_rename: Callable[[], None] | None = None) -> None:
-    """Write ``records`` atomically; ``before_rename`` runs once they are written (a test hook)."""
+def write_jsonl(path: Path, records: Iterable[dict], before_rename: Callable[[], None] | None = None,
+                lines: list[str] | None = None) -> None:
+    """Write ``records`` atomically; ``before_rename`` runs once they are written (a test hook);
+    ``lines``, when given, gets each record's line as written."""
     with AtomicJsonlWriter(path) as writer:
         for record in records:
-            writer.write(record)
+            line = writer.write(record)
+            if lines is not None:
+                lines.append(line)
         if before_rename is not None:
             before_rename()
 
@@ -290,9 +294,10 @@ class RunDir:
         return self.path / found if found else None
 
     def write_step(self, key: str, kind: str, records: list[dict], *, seed: int, rejects: list[dict],
-                   documents: dict[str, Any], before_rename: Callable[[], None]) -> dict:
+                   documents: dict[str, Any], before_rename: Callable[[], None],
+                   lines: list[str] | None = None) -> dict:
         """Write a step's output (and rejects, documents); returns its manifest entry (no sha yet
-        for metrics: the caller adds ``metrics_line``)."""
+        for metrics: the caller adds ``metrics_line``). ``lines`` gets the output's lines as written."""
         key = StepKey.parse(key)
         stem = key.stem
         directory = self.path / key.folder
@@ -307,6 +312,6 @@ class RunDir:
             entry[name] = str(document_path.relative_to(self.path))
         if rejects:
             write_jsonl(directory / f"{stem}.rejects.jsonl", rejects)
-        write_jsonl(path, records, before_rename=before_rename)
+        write_jsonl(path, records, before_rename=before_rename, lines=lines)
         entry["sha256"] = file_sha256(path)
         return entry
