@@ -533,7 +533,7 @@ def test_a_later_step_copies_an_output_from_the_lines_written_for_it(cli, tmp_pa
     run_dir = tmp_path / "rlvr"
     result = cli(scripted_args("rlvr", run_dir, random_policy))
     assert result.exit_code == 0, result.stderr
-    assert serialised == [] and len(copied) >= 6  # solve, verify, filter in each of 2 iterations
+    assert serialised == [] and len(copied) >= 6  # solve, verify and filter copy their input, twice
     written = {path.read_text(encoding="utf-8") for path in run_dir.glob("iter-*/*.jsonl")}
     for records, kept, fresh, lines in copied:
         assert "".join(line + "\n" for line in lines) in written
