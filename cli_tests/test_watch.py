@@ -124,3 +124,9 @@ def test_the_health_step_reads_only_the_outputs_it_uses_and_copies_none():
         steps_module.json_copy = original
     assert report["graded"] == 2 and report["signal_share"] == 0.5 and report["group_signal_share"] == 0.5
     assert copies == [] and verified[0] == {"id": "a", "samples": [{"text": "x"}], "p_hat": 0.5}
+    # a later iteration without generated questions indexes no earlier ones (the run directory,
+    # here absent, is never read): its duplicate shares are None
+    ctx = StepContext(lambda event: None, 2, "iter-0002/04-health", step, 0,
+                      {"solve": never, "verify": lambda: verified, "filter": lambda: filtered})
+    [later] = step.fn(ctx, [])
+    assert later["graded"] == 2 and later["duplicate_share_within"] is None and later["duplicate_share_earlier"] is None

@@ -129,7 +129,10 @@ def health_step(session: "Session", steps: list[Step]) -> Step:
         graded = [r.get("p_hat") for r in by_kind.get("verify", [])
                   if r.get("samples") and r.get("mode") != "validity" and r.get("p_hat") is not None
                   and not r.get("pool")]
-        within, earlier = H.duplicate_shares(questions, earlier_questions(session, ctx.iteration))
+        # the earlier questions' index only where there are questions to hold against it: setting
+        # up its MinHash LSH alone takes 11 ms here, in every loop step of a recipe that generates
+        # none (rlvr, svs)
+        within, earlier = H.duplicate_shares(questions, earlier_questions(session, ctx.iteration) if questions else None)
         probe = by_kind.get("probe", [])
         report = {
             "id": content_id("health", ctx.iteration),
