@@ -14,7 +14,12 @@ the mean length, and the mean log-probability the trainer's model gives them aga
 sampler recorded. Then one update on ``generate``'s samples, rewarded for ending (EOS) within the
 limit: a policy that learns to stop, so a sampler that does not see the update keeps cutting.
 
-    python benchmarks/shared_policy_decoding.py --device cuda --steps 4 --json OUT.json
+    python benchmarks/shared_policy_decoding.py --device cuda --steps 2 --json OUT.json
+
+On the CPU (``--no-compile``) the step decoder draws ``generate``'s exact tokens: ``torch.multinomial``'s
+one draw is the same exponential race over the same generator. On CUDA the captured and compiled
+steps draw from inductor's random stream, so there the cut shares are compared, and ``step-eager``
+(the step decoder without compile) is the control that draws ``generate``'s tokens.
 """
 
 from __future__ import annotations
@@ -67,7 +72,8 @@ def main() -> None:
     parser.add_argument("--problems", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--lr", type=float, default=1e-4,
+                        help="10x the loop's: a sampler that missed an update shows after one")
     parser.add_argument("--decoders", default="generate,step-capture,step-capture-noprefix",
                         help="the first is the reference (generate: eager, no compile)")
     parser.add_argument("--greedy", action="store_true", help="also compare greedy tokens (more compiles)")

@@ -612,6 +612,100 @@ def test_a_captured_step_keeps_its_buffers_per_cache_and_is_made_again_when_a_we
         StepDecoder(eager.model, graph="trees")
 
 
+def draw_after_updates(sampler, reference, trainer, prompts, samples: int, tokens: int, updates: int):
+    """The ``rlvr`` loop's set-up over one shared model: each round, ``reference`` and ``sampler``
+    draw ``samples`` a prompt with one seed, then ``trainer`` updates the model on the reference's
+    samples, rewarded for ending (EOS) within ``tokens``. Returns per round the two samplers' samples."""
+    from sptool.models.base import SamplingParams
+
+    rounds = []
+    for round_ in range(updates + 1):
+        params = SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=100 + round_, logprobs=True)
+        drawn = reference.generate(prompts, samples, params)
+        rounds.append((drawn, sampler.generate(prompts, samples, params)))
+        if round_ == updates:
+            break
+        trainer.update([{"prompt": prompt, "completions": [s.text for s in row],
+                         "rewards": [1.0 if s.finish_reason == "stop" else 0.0 for s in row],
+                         "completion_ids": [s.token_ids for s in row],
+                         "finish_reasons": [s.finish_reason for s in row]} for prompt, row in zip(prompts, drawn)])
+    return rounds
+
+
+def cut_share(rows) -> float:
+    flat = [sample for row in rows for sample in row]
+    return sum(sample.finish_reason == "length" for sample in flat) / len(flat)
+
+
+@pytest.mark.slow
+def test_a_captured_decoder_sharing_a_trainer_draws_generates_samples_after_each_update():
+    """As in ``sptool run``: a real PolicyTrainer updates the model that eager ``generate`` and the
+    captured step decoder (the base class standing in for the CUDA graph, over the compiled step and
+    grouped attention, the prompts' common prefix prefilled once) sample from. For one seed the
+    decoder draws exactly ``generate``'s samples, before any update and after each, while the policy
+    learns to end within the limit: ``torch.multinomial``'s one draw is the same exponential race as
+    the decoder's, so a sampler that missed an update would draw the old policy's tokens. (Over four
+    seeds on an H100 the captured arm's cut share fell more slowly than ``generate``'s.)"""
+    from sptool.models.hf import HFBackend
+    from sptool.models.step_decoder import CapturedStep, StepDecoder
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    trainer = PolicyTrainer(TrainConfig(model="tiny", device="cpu", loss="dr_grpo", learning_rate=1e-4,
+                                        max_completion_tokens=24))
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    reference = HFBackend.from_model(model, trainer.tokenizer, model_id="tiny", batch_size=16)
+    captured = HFBackend.from_model(model, trainer.tokenizer, model_id="tiny", batch_size=16, decoder="step",
+                                    decode_attention="grouped")
+    captured.prefix_min_saved_tokens = 1  # the prompts' common prefix (the chat template's) prefilled once
+    # dynamo's trace run eagerly (backend "eager"): the captured path's bookkeeping, without a compiler
+    captured._step_decoder = StepDecoder(model, compile=True, compile_options=dict(backend="eager", dynamic=False),
+                                         graph="capture", captured_step=CapturedStep, compile_prefill=False)
+    prompts = [[{"role": "user", "content": f"What is {a} + {b}? Put the final answer in \\boxed{{}}."}]
+               for a, b in ((60, 42), (20, 63), (7, 35), (81, 18))]
+    rounds = draw_after_updates(captured, reference, trainer, prompts, samples=4, tokens=24, updates=1)
+    for index, (want, got) in enumerate(rounds):
+        assert tokens_of(got) == tokens_of(want), f"round {index}: the captured decoder drew other tokens"
+    assert captured.decoding == "step" and captured._step_decoder.graph == "capture"
+    first, last = cut_share(rounds[0][0]), cut_share(rounds[-1][0])
+    assert last < first - 0.2, f"the policy did not learn to end ({first} -> {last}): the test proves nothing"
+
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_captured_decoder_sharing_a_trainer_follows_its_updates_on_gpu():
+    """CUDA, as ``sptool run`` builds it: a PolicyTrainer with its CUDA defaults (bf16 autocast,
+    stochastic weight rounding, regionally compiled layers) updates the model that ``generate`` and
+    the captured step decoder sample from. Rewarded for ending within the limit, the policy's cut
+    share falls, and the captured decoder's falls with it at each round (its tokens come from
+    inductor's random stream, so the law is compared, not the draws: 512 samples a decoder, a
+    round's two shares within 0.1). A sampler that kept the old policy's weights in its graph
+    would keep cutting. (Over four seeds the captured arm's learning curve fell behind and its cut
+    share fell more slowly, from the first update on.)"""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from sptool.models.hf import HFBackend
+    from sptool.train.step import PolicyTrainer, TrainConfig
+
+    trainer = PolicyTrainer(TrainConfig(model="tiny", device="cuda", loss="dr_grpo", learning_rate=1e-4,
+                                        max_completion_tokens=32, max_tokens_per_micro_batch=8192))
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    reference = HFBackend.from_model(model, trainer.tokenizer, model_id="tiny", batch_size=512)
+    captured = HFBackend.from_model(model, trainer.tokenizer, model_id="tiny", batch_size=512, compile=True,
+                                    decoder="step", decode_attention="grouped", step_graph="capture")
+    captured.prefix_min_saved_tokens = 1  # the prompts' common prefix prefilled once, as at 64 prompts
+    prompts = [[{"role": "user", "content": f"What is {a} + {b}? Put the final answer in \\boxed{{}}."}]
+               for a, b in zip(range(10, 74), range(90, 26, -1))]
+    rounds = draw_after_updates(captured, reference, trainer, prompts, samples=8, tokens=32, updates=2)
+    shares = [(cut_share(want), cut_share(got)) for want, got in rounds]
+    assert captured.decoding == "step-compiled", shares
+    assert shares[-1][0] < shares[0][0] - 0.2, f"the policy did not learn to end: {shares}"
+    for index, (want, got) in enumerate(shares):
+        assert abs(want - got) < 0.1, f"round {index}: cut share {got} against generate's {want}: {shares}"
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_compiled_step_decoder_on_gpu_follows_generate_and_weight_changes():
