@@ -700,6 +700,7 @@ def test_a_captured_decoder_sharing_a_trainer_follows_its_updates_on_gpu():
                for a, b in zip(range(10, 74), range(90, 26, -1))]
     rounds = draw_after_updates(captured, reference, trainer, prompts, samples=8, tokens=32, updates=2)
     shares = [(cut_share(want), cut_share(got)) for want, got in rounds]
+    print(f"cut shares (generate, captured) by round: {shares}")
     assert captured.decoding == "step-compiled", shares
     assert shares[-1][0] < shares[0][0] - 0.2, f"the policy did not learn to end: {shares}"
     for index, (want, got) in enumerate(shares):
