@@ -5,14 +5,16 @@ of samples cut at the token limit stayed near the base model's while ``generate`
 update already, in all four seed pairs. The sampling-law tests compare the decoders on the base
 model only. This benchmark compares them on a policy that a real :class:`PolicyTrainer` updates, as
 ``sptool run`` does: one model shared by the trainer (its defaults: bf16 autocast, stochastic
-weight rounding, regional compile on CUDA) and three samplers of it (``generate``, the compiled
-step decoder, the captured step decoder, all as the ``learning_parity.py`` arms build them).
+weight rounding, regional compile on CUDA) and the samplers of it (``--decoders``: ``generate``,
+the eager step decoder, the captured step decoder; ``step-compile`` and ``step-capture-noprefix``
+on demand, all built as the ``learning_parity.py`` arms build them).
 
-Each step, on the same 64 prompts: every decoder's greedy tokens (the share of rows that differ
-from ``generate``'s, and where), and its sampled tokens (8 a prompt): the share cut at the limit,
-the mean length, and the mean log-probability the trainer's model gives them against the one the
-sampler recorded. Then one update on ``generate``'s samples, rewarded for ending (EOS) within the
-limit: a policy that learns to stop, so a sampler that does not see the update keeps cutting.
+Each round, on the same 64 prompts: every decoder's samples (8 a prompt, one seed a round): the
+share cut at the limit, the mean length, the mean log-probability a token the sampler recorded, and
+the share of samples equal to the first decoder's; with ``--greedy`` also its greedy tokens (the
+rows that differ from the first decoder's, and where). Then one update on the first decoder's
+samples, as the ``rlvr`` loop trains them, rewarded for ending (EOS) within the limit: a policy
+that learns to stop, so a sampler that does not see the update keeps cutting.
 
     python benchmarks/shared_policy_decoding.py --device cuda --steps 2 --json OUT.json
 
@@ -68,13 +70,13 @@ def decoders(model, tokenizer, batch: int, which: list[str], compile: bool = Tru
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2, help="updates (rounds: one more)")
     parser.add_argument("--problems", type=int, default=64)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-4,
                         help="10x the loop's: a sampler that missed an update shows after one")
-    parser.add_argument("--decoders", default="generate,step-capture,step-capture-noprefix",
+    parser.add_argument("--decoders", default="generate,step-eager,step-capture",
                         help="the first is the reference (generate: eager, no compile)")
     parser.add_argument("--greedy", action="store_true", help="also compare greedy tokens (more compiles)")
     parser.add_argument("--mixed-precision", default=None, help="the trainer's (default: its own)")
@@ -135,6 +137,7 @@ def main() -> None:
         samples = drawn[names[0]]
         groups = [{"prompt": prompt, "completions": [s.text for s in row_],
                    "rewards": [1.0 if s.finish_reason == "stop" else 0.0 for s in row_],
+                   "completion_ids": [s.token_ids for s in row_], "finish_reasons": [s.finish_reason for s in row_],
                    "old_logprobs": [s.logprobs for s in row_]} for prompt, row_ in zip(prompts, samples)]
         metrics = trainer.update(groups)
         print(f"# update {step + 1}: " + json.dumps({k: metrics.get(k) for k in ("loss", "grad_norm", "logprob_gap")}),
