@@ -670,7 +670,6 @@ def test_a_captured_decoder_sharing_a_trainer_draws_generates_samples_after_each
     assert last < first - 0.2, f"the policy did not learn to end ({first} -> {last}): the test proves nothing"
 
 
-
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_a_captured_decoder_sharing_a_trainer_follows_its_updates_on_gpu():
