@@ -638,6 +638,7 @@ def cut_share(rows) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a trainer beside two samplers: 3.3 GB at its peak, after the parallel tests
 def test_a_captured_decoder_sharing_a_trainer_draws_generates_samples_after_each_update():
     """As in ``sptool run``: a real PolicyTrainer updates the model that eager ``generate`` and the
     captured step decoder (the base class standing in for the CUDA graph, over the compiled step and
