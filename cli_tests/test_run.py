@@ -607,8 +607,12 @@ def test_tiny_recipe_completes_with_the_real_model(recipe, tmp_path):
                                 split="train"))
         extra = ["--data", data]
     start = time.monotonic()
+    # 1,024 tokens a micro-batch, not the default 4,096: on the CPU the tiny model's activations take
+    # about 1.3 MB a token, and WIST's train stage peaked at 9.6 GB with the default (4.2 GB so, and
+    # faster); twice in one session's CI, beside the parallel worker's tests, the OOM killer took it
     result = run_sptool("run", "--recipe", recipe, "--tiny", "--run-dir", str(run_dir), "--keep", "1",
-                        "--set", "run.iterations=1", *extra, env=ENV, timeout=900)
+                        "--set", "run.iterations=1", "--set", "train.max_tokens_per_micro_batch=1024", *extra,
+                        env=ENV, timeout=900)
     wall = time.monotonic() - start
     assert result.returncode == 0, result.stderr
     manifest = json.loads((run_dir / "manifest.json").read_text())
