@@ -54,12 +54,10 @@ def decoders(model, tokenizer, batch: int, which: list[str], compile: bool = Tru
         options = dict(model_id="tiny", batch_size=batch, compile=compile and name != "generate")
         if name == "step-compile":
             options.update(decoder="step", decode_attention="grouped", step_graph="compile")
-        elif name == "step-capture":
+        elif name in ("step-capture", "step-capture-noprefix"):
             options.update(decoder="step", decode_attention="grouped", step_graph="capture")
         elif name == "step-eager":  # the step decoder without compile or graphs
             options.update(decoder="step", decode_attention="grouped", compile=False)
-        elif name == "step-capture-noprefix":
-            options.update(decoder="step", decode_attention="grouped", step_graph="capture")
         made[name] = HFBackend.from_model(model, tokenizer, log=lambda line: print(f"# {line}", file=sys.stderr),
                                           **options)
         if name.endswith("noprefix"):
